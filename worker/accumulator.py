@@ -1,0 +1,546 @@
+"""Fold ``chat.completion.chunk`` objects into the final message and the deltas to publish.
+
+Pure and on the hot path: it takes the ``data`` field of each SSE event (or an already
+decoded chunk dict), never does I/O and works on the plain dicts ``json.loads`` returns
+(the pydantic models in ``schemas.chunks`` document the same shapes for consumers).
+
+Rules (the seeds, plus what OpenAI / OpenRouter-style providers really send):
+
+* ``role`` is set once; a repeated role is neither duplicated nor published again.
+* ``content`` fragments concatenate in order; ``null`` never erases what arrived.
+* ``tool_calls`` fragments merge by ``index``: ``id``, ``type`` and ``function.name`` keep
+  the first non-empty value (never concatenated), ``function.arguments`` concatenate, and
+  arguments sent as a JSON object are serialised to a compact JSON string. A fragment
+  without ``index`` joins the call with the same ``id``; else, if it carries a new ``id``
+  while the last call already has one, it starts a new call; else it joins the last call
+  (the first call when there is none). Published deltas always carry the resolved index.
+  Fragments that carry nothing (no id, type, name or arguments) are dropped.
+* ``reasoning_details``: a fragment joins the previous entry when both have the same
+  ``type`` and their ``index`` (when both have one) is equal; joining concatenates
+  ``text`` / ``summary`` and keeps the first non-null value of every other key
+  (``signature``, ``format``, ``id``, ...). ``reasoning.encrypted`` entries never join.
+  A delta without ``reasoning_details`` may carry ``reasoning`` (OpenRouter) or
+  ``reasoning_content`` (DeepSeek / vLLM) as a plain string: it becomes a
+  ``reasoning.text`` fragment. Published fragments carry the entry's index when they
+  join an indexed entry, so merging published deltas reproduces the same entries.
+* ``usage``: the last non-null value wins (never summed). ``web_search`` and
+  ``free_tier``: the last non-null value wins, kept in ``FinalMessage.extras``.
+* ``completion_id`` / ``model``: from the first chunk that has them.
+* A chunk with a top-level ``error`` ends the stream: its partial delta (if any) is still
+  returned, the error is recorded (a non-object error becomes ``{"message": str(error)}``)
+  and ``finish().end == "error"``. ``null`` (or another empty value: ``false``, ``""``,
+  ``{}``) is not an error. A ``finish_reason`` of ``"error"`` without an error object also
+  ends as ``"error"``. An empty ``finish_reason`` never replaces an earlier one.
+* After ``[DONE]`` (only as the whole data field) or an error chunk, further data is
+  ignored (``feed_data`` / ``add_chunk`` return ``None`` without parsing it).
+* Only choice index 0 is accumulated; ``n > 1`` is unsupported and other choices are
+  ignored.
+* Anything structurally wrong (invalid JSON, a chunk that is not an object, ``choices``
+  not a list, ``delta`` not an object, a content that is not a string, ...) raises
+  :class:`~worker.errors.ProtocolError`; no other exception escapes.
+
+``FinalMessage.exception()`` maps the outcome to the error tree: ``"error"`` ->
+:class:`~worker.errors.MidStreamError` (terminal, partial output kept), ``"truncated"`` ->
+:class:`~worker.errors.TruncatedStreamError` (retryable), else ``None``.
+
+``Delta.merge`` applies the same rules, so coalescing published deltas in any grouping and
+merging them in order yields the final content, reasoning and tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError, snippet
+
+DONE = "[DONE]"
+ENCRYPTED = "reasoning.encrypted"
+_CONCAT_KEYS = frozenset({"text", "summary"})
+_EXTRA_KEYS = ("web_search", "free_tier")
+
+End = Literal["done", "complete", "truncated", "error"]
+
+
+def _bad(what: str, value: Any) -> ProtocolError:
+    return ProtocolError(f"{what}, got {type(value).__name__}: {snippet(repr(value))}")
+
+
+# --- merge rules shared by Delta.merge and the Accumulator --------------------------------
+
+
+def _joins(entry: dict[str, Any], frag: dict[str, Any]) -> bool:
+    """Whether a reasoning fragment continues ``entry`` rather than starting a new one."""
+    kind = entry.get("type")
+    if kind != frag.get("type") or kind == ENCRYPTED:
+        return False
+    a, b = entry.get("index"), frag.get("index")
+    return a is None or b is None or a == b
+
+
+def _merge_reasoning_entry(entry: dict[str, Any], frag: dict[str, Any]) -> None:
+    for key, value in frag.items():
+        if value is None:
+            continue
+        if key in _CONCAT_KEYS:
+            entry[key] = (entry.get(key) or "") + value
+        elif entry.get(key) is None:
+            entry[key] = value
+
+
+def _merge_reasoning(entries: list[dict[str, Any]], frag: dict[str, Any]) -> None:
+    if entries and _joins(entries[-1], frag):
+        _merge_reasoning_entry(entries[-1], frag)
+    else:
+        entries.append(dict(frag))
+
+
+def _copy_call(call: dict[str, Any]) -> dict[str, Any]:
+    copy = dict(call)
+    if isinstance(copy.get("function"), dict):
+        copy["function"] = dict(copy["function"])
+    return copy
+
+
+def _merge_tool(calls: list[dict[str, Any]], frag: dict[str, Any]) -> None:
+    """Merge a published tool-call fragment (explicit ``index``) into ``calls``."""
+    index = frag["index"]
+    call = next((c for c in calls if c["index"] == index), None)
+    if call is None:
+        calls.append(_copy_call(frag))
+        return
+    for key in ("id", "type"):
+        if frag.get(key) and not call.get(key):
+            call[key] = frag[key]
+    fn = frag.get("function")
+    if fn:
+        dest = call.setdefault("function", {})
+        if fn.get("name") and not dest.get("name"):
+            dest["name"] = fn["name"]
+        if fn.get("arguments"):
+            dest["arguments"] = dest.get("arguments", "") + fn["arguments"]
+
+
+# --- Delta --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one chunk (or several coalesced chunks) adds to the message."""
+
+    role: str | None = None
+    content: str = ""
+    reasoning_details: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def merge(self, other: Delta) -> None:
+        """Coalesce a later delta into this one (same rules as the accumulator)."""
+        if self.role is None:
+            self.role = other.role
+        self.content += other.content
+        for frag in other.reasoning_details:
+            _merge_reasoning(self.reasoning_details, frag)
+        for call in other.tool_calls:
+            _merge_tool(self.tool_calls, call)
+
+    def is_empty(self) -> bool:
+        return not (self.role or self.content or self.reasoning_details or self.tool_calls)
+
+    def to_json(self) -> dict[str, Any]:
+        """Compact form: only the non-empty keys."""
+        out: dict[str, Any] = {}
+        if self.role:
+            out["role"] = self.role
+        if self.content:
+            out["content"] = self.content
+        if self.reasoning_details:
+            out["reasoning_details"] = self.reasoning_details
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Delta:
+        if not isinstance(data, dict):
+            raise _bad("a delta must be a JSON object", data)
+        role, content = data.get("role"), data.get("content") or ""
+        reasoning, tools = data.get("reasoning_details") or [], data.get("tool_calls") or []
+        if not (role is None or isinstance(role, str)) or not isinstance(content, str):
+            raise _bad("delta role/content must be strings", data)
+        if not isinstance(reasoning, list) or not isinstance(tools, list):
+            raise _bad("delta reasoning_details/tool_calls must be lists", data)
+        if not all(isinstance(r, dict) for r in reasoning) or not all(
+            isinstance(t, dict) and isinstance(t.get("index"), int) for t in tools
+        ):
+            raise _bad("delta fragments must be objects (tool calls with an index)", data)
+        return cls(role, content, [dict(r) for r in reasoning], [_copy_call(t) for t in tools])
+
+
+# --- final message ------------------------------------------------------------------------
+
+
+@dataclass
+class FinalMessage:
+    role: str
+    content: str
+    reasoning: list[dict[str, Any]]
+    tool_calls: list[dict[str, Any]]  # {"id", "type", "function": {"name", "arguments"}}
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    error: dict[str, Any] | None
+    completion_id: str | None
+    model: str | None
+    extras: dict[str, Any]
+    end: End
+
+    def exception(self) -> MidStreamError | TruncatedStreamError | None:
+        """The error this outcome stands for: error -> MidStreamError, truncated -> retryable."""
+        if self.end == "truncated":
+            return TruncatedStreamError("the stream ended with neither [DONE] nor a finish_reason")
+        if self.end != "error":
+            return None
+        error = self.error or {}
+        message = error.get("message")
+        code = error.get("code")
+        return MidStreamError(
+            message if isinstance(message, str) and message else "upstream mid-stream error",
+            status=code if type(code) is int else None,
+            detail=error,
+        )
+
+
+# --- accumulator state --------------------------------------------------------------------
+
+
+class _Call:
+    __slots__ = ("args", "id", "name", "type")
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.type = ""
+        self.name = ""
+        self.args: list[str] = []
+
+    def final(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": "".join(self.args)}
+        return {"id": self.id, "type": self.type or "function", "function": function}
+
+
+def _str_or_none(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise _bad(f"{what} must be a string", value)
+
+
+def _arguments(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    raise _bad("tool call function.arguments must be a string or an object", value)
+
+
+def _clean_reasoning(frag: Any) -> dict[str, Any]:
+    if not isinstance(frag, dict):
+        raise _bad("a reasoning_details entry must be an object", frag)
+    out = {k: v for k, v in frag.items() if v is not None}
+    for key in _CONCAT_KEYS.intersection(out):
+        _str_or_none(out[key], f"reasoning_details {key}")
+    _str_or_none(out.get("type"), "reasoning_details type")
+    return out
+
+
+def _reasoning_fragments(delta: dict[str, Any]) -> list[Any]:
+    details = delta.get("reasoning_details")
+    if details:
+        if not isinstance(details, list):
+            raise _bad("delta.reasoning_details must be a list", details)
+        return details
+    text = delta.get("reasoning")
+    if text is None:
+        text = delta.get("reasoning_content")
+    if _str_or_none(text, "delta.reasoning"):
+        return [{"type": "reasoning.text", "text": text}]
+    return []
+
+
+class Accumulator:
+    """Folds one stream's SSE data fields into published deltas and the final message."""
+
+    def __init__(self) -> None:
+        self._closed = False  # [DONE] or an error arrived: ignore everything after
+        self._done = False
+        self._error: dict[str, Any] | None = None
+        self._role: str | None = None
+        self._content: list[str] = []
+        self._reasoning: list[dict[str, Any]] = []  # text/summary held as list[str] parts
+        self._calls: dict[int, _Call] = {}
+        self._ids: dict[str, int] = {}
+        self._last_call: int | None = None
+        self._finish_reason: str | None = None
+        self._usage: dict[str, Any] | None = None
+        self._extras: dict[str, Any] = {}
+        self._completion_id: str | None = None
+        self._model: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """``[DONE]`` arrived."""
+        return self._done
+
+    @property
+    def errored(self) -> bool:
+        """A chunk with a top-level error arrived."""
+        return self._error is not None
+
+    @property
+    def finished(self) -> bool:
+        """The stream is over (``[DONE]`` or an error): further data is ignored."""
+        return self._closed
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish_reason
+
+    def feed_data(self, data: str) -> Delta | None:
+        """Take one SSE event's data field; return the delta to publish, if any."""
+        if self._closed:
+            return None
+        if data == DONE:
+            self._done = self._closed = True
+            return None
+        try:
+            chunk = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            if not data.strip():
+                return None
+            raise ProtocolError(f"invalid JSON in SSE data: {snippet(data)}") from exc
+        return self.add_chunk(chunk)
+
+    def add_chunk(self, chunk: dict[str, Any]) -> Delta | None:
+        """Fold one decoded chunk; return the delta to publish, if any."""
+        if self._closed:
+            return None
+        if not isinstance(chunk, dict):
+            raise _bad("a chunk must be a JSON object", chunk)
+        if self._completion_id is None or self._model is None:
+            self._take_ids(chunk)
+        choices = chunk.get("choices")
+        delta = self._add_choices(choices) if choices is not None else None
+        self._take_trailer(chunk)
+        return delta
+
+    def _take_ids(self, chunk: dict[str, Any]) -> None:
+        cid, model = chunk.get("id"), chunk.get("model")
+        if self._completion_id is None and type(cid) is str and cid:
+            self._completion_id = cid
+        if self._model is None and type(model) is str and model:
+            self._model = model
+
+    def _take_trailer(self, chunk: dict[str, Any]) -> None:
+        usage = chunk.get("usage")
+        if usage is not None:
+            if not isinstance(usage, dict):
+                raise _bad("usage must be an object", usage)
+            self._usage = usage
+        for key in _EXTRA_KEYS:
+            value = chunk.get(key)
+            if value is not None:
+                self._extras[key] = value
+        error = chunk.get("error")
+        if error:
+            self._error = error if isinstance(error, dict) else {"message": str(error)}
+            self._closed = True
+
+    def _add_choices(self, choices: Any) -> Delta | None:
+        if not isinstance(choices, list):
+            raise _bad("choices must be a list", choices)
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise _bad("a choice must be an object", choice)
+            if choice.get("index", 0) == 0:
+                return self._add_choice(choice)
+        return None
+
+    def _add_choice(self, choice: dict[str, Any]) -> Delta | None:
+        reason = choice.get("finish_reason")
+        if reason is not None and _str_or_none(reason, "finish_reason"):
+            self._finish_reason = reason
+        delta = choice.get("delta")
+        if delta is None:
+            return None
+        if not isinstance(delta, dict):
+            raise _bad("choices[0].delta must be an object", delta)
+        return self._add_delta(delta) if delta else None
+
+    def _add_delta(self, delta: dict[str, Any]) -> Delta | None:
+        role = delta.get("role")
+        if role is not None:
+            role = self._take_role(role)
+        content = delta.get("content")
+        if content:
+            if not isinstance(content, str):
+                raise _bad("delta.content must be a string", content)
+            self._content.append(content)
+        elif content is not None and not isinstance(content, str):
+            raise _bad("delta.content must be a string", content)
+        reasoning = (
+            self._add_reasoning(delta)
+            if "reasoning_details" in delta or "reasoning" in delta or "reasoning_content" in delta
+            else []
+        )
+        tools = delta.get("tool_calls")
+        calls = self._add_tool_calls(tools) if tools else []
+        if role is None and not content and not reasoning and not calls:
+            return None
+        return Delta(role, content or "", reasoning, calls)
+
+    def _take_role(self, role: Any) -> str | None:
+        value = _str_or_none(role, "delta.role")
+        if value and self._role is None:
+            self._role = value
+            return value
+        return None
+
+    # reasoning
+
+    def _add_reasoning(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for raw in _reasoning_fragments(delta):
+            frag = self._absorb_reasoning(_clean_reasoning(raw))
+            if frag is not None:
+                _merge_reasoning(out, frag)
+        return out
+
+    def _absorb_reasoning(self, frag: dict[str, Any]) -> dict[str, Any] | None:
+        """Fold one cleaned fragment into the state; return it (as published) or None."""
+        entries = self._reasoning
+        if entries and _joins(entries[-1], frag):
+            entry = entries[-1]
+            if "index" not in frag and entry.get("index") is not None:
+                frag["index"] = entry["index"]
+            changed = False
+        else:
+            entry = {}
+            entries.append(entry)
+            changed = True
+        for key, value in frag.items():
+            if key in _CONCAT_KEYS:
+                parts = entry.get(key)
+                if parts is None:
+                    entry[key] = [value]
+                    changed = True
+                elif value:
+                    parts.append(value)
+                    changed = True
+            elif key not in entry:
+                entry[key] = value
+                changed = True
+        return frag if changed else None
+
+    # tool calls
+
+    def _add_tool_calls(self, tools: Any) -> list[dict[str, Any]]:
+        if not isinstance(tools, list):
+            raise _bad("delta.tool_calls must be a list", tools)
+        out: list[dict[str, Any]] = []
+        for raw in tools:
+            frag = self._absorb_tool(raw)
+            if frag is not None:
+                _merge_tool(out, frag)
+        return out
+
+    def _absorb_tool(self, raw: Any) -> dict[str, Any] | None:
+        if not isinstance(raw, dict):
+            raise _bad("a tool_calls entry must be an object", raw)
+        fn = raw.get("function")
+        if fn is None:
+            fn = {}
+        elif not isinstance(fn, dict):
+            raise _bad("tool call function must be an object", fn)
+        cid = _str_or_none(raw.get("id"), "tool call id")
+        kind = _str_or_none(raw.get("type"), "tool call type")
+        name = _str_or_none(fn.get("name"), "tool call function.name")
+        args = _arguments(fn.get("arguments"))
+        index = self._resolve_index(raw.get("index"), cid)
+        call = self._calls.get(index)
+        if call is None:
+            if not (cid or kind or name or args):
+                return None
+            call = self._calls[index] = _Call()
+        self._last_call = index
+        return self._fill_call(call, index, cid, kind, name, args)
+
+    def _fill_call(
+        self,
+        call: _Call,
+        index: int,
+        cid: str | None,
+        kind: str | None,
+        name: str | None,
+        args: str,
+    ) -> dict[str, Any] | None:
+        out: dict[str, Any] = {"index": index}
+        if cid and not call.id:
+            call.id = out["id"] = cid
+            self._ids.setdefault(cid, index)
+        if kind and not call.type:
+            call.type = out["type"] = kind
+        fn: dict[str, str] = {}
+        if name and not call.name:
+            call.name = fn["name"] = name
+        if args:
+            call.args.append(args)
+            fn["arguments"] = args
+        if fn:
+            out["function"] = fn
+        return out if len(out) > 1 else None
+
+    def _resolve_index(self, index: Any, cid: str | None) -> int:
+        if index is not None:
+            if type(index) is not int or index < 0:
+                raise _bad("tool call index must be a non-negative integer", index)
+            return index
+        if cid and cid in self._ids:
+            return self._ids[cid]
+        last = self._last_call
+        if last is None:
+            return 0
+        if cid and self._calls[last].id:
+            return max(self._calls) + 1
+        return last
+
+    # result
+
+    def finish(self) -> FinalMessage:
+        """The final message so far (may be called at any time, any number of times)."""
+        error = self._error
+        if error is None and self._finish_reason == "error":
+            error = {"message": "the upstream ended the stream with finish_reason 'error'"}
+        end: End
+        if error is not None:
+            end = "error"
+        elif self._done:
+            end = "done"
+        else:
+            end = "complete" if self._finish_reason else "truncated"
+        return FinalMessage(
+            role=self._role or "assistant",
+            content="".join(self._content),
+            reasoning=[_final_entry(entry) for entry in self._reasoning],
+            tool_calls=[self._calls[i].final() for i in sorted(self._calls)],
+            finish_reason=self._finish_reason,
+            usage=self._usage,
+            error=error,
+            completion_id=self._completion_id,
+            model=self._model,
+            extras=dict(self._extras),
+            end=end,
+        )
+
+
+def _final_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: "".join(v) if k in _CONCAT_KEYS else v for k, v in entry.items()}
