@@ -1,0 +1,352 @@
+"""The streaming call to an OpenAI-compatible ``/v1/chat/completions`` endpoint.
+
+The only module that knows httpx: its exceptions are translated once, in
+``_translate_httpx_errors``, into the ``worker.errors`` tree. Everything up to and including
+the first body byte is one attempt, retried with tenacity (exponential backoff with full
+jitter, or the upstream's ``Retry-After``); after the first byte nothing is retried here,
+because output may already have been published.
+
+    async with client.stream("default", body) as chunks:
+        async for data in chunks:  # raw SSE bytes, as they arrive
+            ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from worker.errors import (
+    ProtocolError,
+    RetryableUpstreamError,
+    TerminalUpstreamError,
+    UpstreamTimeoutError,
+    retryable,
+    snippet,
+)
+from worker.settings import Settings, Upstream
+
+logger = logging.getLogger("chatstream.upstream")
+
+RETRY_STATUSES = frozenset({408, 409, 425, 429})
+MAX_ERROR_BODY = 64 * 1024
+MIN_RETRY_AFTER_CAP = 60.0
+REDACTED = "[REDACTED]"
+
+OnRetry = Callable[[BaseException, float], None]
+
+
+async def _sleep(seconds: float) -> None:
+    """The backoff sleep (a module attribute so tests can replace it)."""
+    await asyncio.sleep(seconds)
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """A response whose status and content type were accepted and whose first byte arrived."""
+
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first: bytes
+
+
+class UpstreamClient:
+    """Streams chat completions from the named upstreams of ``settings``.
+
+    One instance (and one pooled ``httpx.AsyncClient``) per process. Pass ``http`` to inject
+    a client (tests use ``httpx.MockTransport``); an injected client is not closed by
+    ``aclose()``. ``on_retry(exc, wait)`` is called before every backoff sleep.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        http: httpx.AsyncClient | None = None,
+        *,
+        on_retry: OnRetry | None = None,
+    ) -> None:
+        self._settings = settings
+        self._timeout = _timeouts(settings)
+        self._owns_http = http is None
+        self._http = http if http is not None else _new_http_client(settings, self._timeout)
+        self._on_retry = on_retry
+        self._jitter = wait_random_exponential(
+            multiplier=settings.retry_initial_backoff, max=settings.retry_max_backoff
+        )
+
+    async def __aenter__(self) -> UpstreamClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    def stream(
+        self, upstream: str, body: dict[str, Any]
+    ) -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
+        """POST ``body`` to the upstream named ``upstream``; yields its raw body bytes.
+
+        Raises ``UnknownUpstreamError`` at once for a name the settings do not define.
+        Entering retries everything before the first body byte; leaving (normally, by an
+        exception or by cancellation) closes the response and its connection.
+        """
+        target = self._settings.upstream(upstream)
+        request = self._http.build_request(
+            "POST",
+            target.completions_url,
+            json=body,
+            headers=_request_headers(target),
+            timeout=self._timeout,
+        )
+        return self._stream(upstream, target, request)
+
+    @asynccontextmanager
+    async def _stream(
+        self, name: str, target: Upstream, request: httpx.Request
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
+        opened = await self._open(name, target, request)
+        relay = self._relay(name, opened)
+        try:
+            yield relay
+        finally:
+            await relay.aclose()
+            await opened.response.aclose()
+
+    async def _open(self, name: str, target: Upstream, request: httpx.Request) -> _Opened:
+        attempts = self._settings.retry_attempts
+        retrying = AsyncRetrying(
+            sleep=_sleep,
+            stop=stop_after_attempt(attempts),
+            wait=self._wait,
+            retry=retry_if_exception(retryable),
+            before_sleep=self._before_sleep(name),
+            reraise=True,
+        )
+        try:
+            opened: _Opened = await retrying(self._attempt, name, target, request)
+        except RetryableUpstreamError as exc:
+            # reraise=True: only exhaustion lets a retryable error out, never RetryError.
+            plural = "s" if attempts != 1 else ""
+            exc.message = f"{exc.message} (gave up after {attempts} attempt{plural})"
+            exc.args = (exc.message,)
+            raise
+        return opened
+
+    async def _attempt(self, name: str, target: Upstream, request: httpx.Request) -> _Opened:
+        """One try: send, accept status and content type, wait for the first body byte."""
+        deadline = self._settings.first_byte_timeout
+        with _translate_httpx_errors(name, streaming=False, deadline=deadline):
+            async with asyncio.timeout(deadline):
+                response = await self._http.send(request, stream=True)
+                try:
+                    await _check_response(name, target, response)
+                    chunks = response.aiter_bytes()
+                    first = await _first_chunk(name, chunks)
+                except BaseException:
+                    await response.aclose()
+                    raise
+        return _Opened(response, chunks, first)
+
+    async def _relay(self, name: str, opened: _Opened) -> AsyncGenerator[bytes, None]:
+        """The body after the first byte, with the idle timeout and no retries."""
+        yield opened.first
+        idle = self._settings.idle_timeout
+        while True:
+            with _translate_httpx_errors(name, streaming=True, deadline=idle):
+                async with asyncio.timeout(idle):
+                    chunk = await anext(opened.chunks, None)
+            if chunk is None:
+                return
+            if chunk:
+                yield chunk
+
+    def _wait(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, RetryableUpstreamError) and exc.retry_after is not None:
+            cap = max(self._settings.retry_max_backoff, MIN_RETRY_AFTER_CAP)
+            return min(exc.retry_after, cap)
+        return self._jitter(state)
+
+    def _before_sleep(self, name: str) -> Callable[[RetryCallState], None]:
+        def log_and_notify(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            wait = state.next_action.sleep if state.next_action is not None else 0.0
+            logger.warning(
+                "upstream %r attempt %d failed, retrying in %.3fs: %s",
+                name,
+                state.attempt_number,
+                wait,
+                exc,
+            )
+            if self._on_retry is not None and exc is not None:
+                self._on_retry(exc, wait)
+
+        return log_and_notify
+
+
+def _timeouts(settings: Settings) -> httpx.Timeout:
+    """httpx's per-operation timeouts; the first-byte and idle deadlines are ours.
+
+    ``read`` is only a backstop: ``_attempt`` bounds send + headers + first byte by
+    ``first_byte_timeout`` and ``_relay`` bounds every later gap by ``idle_timeout``, so a
+    mid-stream pause is never cut short by the (possibly shorter) first-byte value.
+    """
+    return httpx.Timeout(
+        connect=settings.connect_timeout,
+        read=max(settings.first_byte_timeout, settings.idle_timeout),
+        write=settings.first_byte_timeout,
+        pool=settings.connect_timeout,
+    )
+
+
+def _new_http_client(settings: Settings, timeout: httpx.Timeout) -> httpx.AsyncClient:
+    limits = httpx.Limits(
+        max_connections=settings.concurrency,
+        max_keepalive_connections=settings.concurrency,
+        keepalive_expiry=5.0,
+    )
+    return httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
+
+
+def _request_headers(target: Upstream) -> dict[str, str]:
+    # identity: compression would make the upstream buffer tokens; aiter_bytes still
+    # decodes a body compressed anyway.
+    headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+    if target.api_key is not None:
+        headers["Authorization"] = f"Bearer {target.api_key.get_secret_value()}"
+    headers.update(target.headers)
+    return headers
+
+
+@contextmanager
+def _translate_httpx_errors(name: str, *, streaming: bool, deadline: float) -> Iterator[None]:
+    """httpx (and our own deadline's ``TimeoutError``) -> the chatstream tree, once."""
+    try:
+        yield
+    except (TimeoutError, httpx.ReadTimeout) as exc:
+        reason = f"no data for {deadline:g}s" if streaming else f"no first byte in {deadline:g}s"
+        raise UpstreamTimeoutError(f"upstream {name!r}: {reason}") from exc
+    except httpx.TimeoutException as exc:
+        raise UpstreamTimeoutError(f"upstream {name!r}: {type(exc).__name__}") from exc
+    except (httpx.UnsupportedProtocol, httpx.LocalProtocolError) as exc:
+        raise TerminalUpstreamError(
+            f"upstream {name!r}: request rejected by httpx ({type(exc).__name__})"
+        ) from exc
+    except httpx.TransportError as exc:
+        if streaming:
+            raise RetryableUpstreamError(f"upstream {name!r} disconnected mid-stream") from exc
+        raise RetryableUpstreamError(
+            f"upstream {name!r}: connection failed before the first byte ({type(exc).__name__})"
+        ) from exc
+    except httpx.DecodingError as exc:
+        raise ProtocolError(f"upstream {name!r}: undecodable response body") from exc
+
+
+async def _check_response(name: str, target: Upstream, response: httpx.Response) -> None:
+    status = response.status_code
+    content_type = response.headers.get("content-type", "")
+    is_sse = content_type.split(";")[0].strip().lower() == "text/event-stream"
+    if 200 <= status < 300 and is_sse:
+        return
+    detail = await _error_detail(response, target)
+    if status in RETRY_STATUSES or status >= 500:
+        raise RetryableUpstreamError(
+            f"upstream {name!r} returned HTTP {status}",
+            status=status,
+            detail=detail,
+            retry_after=retry_after_seconds(response.headers),
+        )
+    if 200 <= status < 300:
+        raise TerminalUpstreamError(
+            f"upstream {name!r} returned HTTP {status} with content-type {content_type!r},"
+            " not text/event-stream",
+            status=status,
+            detail=detail,
+        )
+    raise TerminalUpstreamError(
+        f"upstream {name!r} returned HTTP {status}", status=status, detail=detail
+    )
+
+
+async def _error_detail(response: httpx.Response, target: Upstream) -> Any:
+    """The upstream's error object (JSON ``error`` member or whole JSON), else a snippet."""
+    text = (await _read_capped(response)).decode("utf-8", "replace")
+    if target.api_key is not None and (key := target.api_key.get_secret_value()):
+        text = text.replace(key, REDACTED)
+    if not text:
+        return None
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return snippet(text)
+    if isinstance(parsed, dict) and "error" in parsed:
+        return parsed["error"]
+    return parsed
+
+
+async def _read_capped(response: httpx.Response, limit: int = MAX_ERROR_BODY) -> bytes:
+    """At most ``limit`` bytes of an error body; a failure while reading keeps what came."""
+    data = bytearray()
+    try:
+        async for chunk in response.aiter_bytes():
+            data += chunk
+            if len(data) >= limit:
+                break
+    except httpx.HTTPError:
+        pass
+    return bytes(data[:limit])
+
+
+async def _first_chunk(name: str, chunks: AsyncIterator[bytes]) -> bytes:
+    async for chunk in chunks:
+        if chunk:
+            return chunk
+    raise RetryableUpstreamError(f"upstream {name!r} closed the stream before the first byte")
+
+
+def retry_after_seconds(headers: httpx.Headers) -> float | None:
+    """``retry-after-ms``, or ``Retry-After`` as seconds or an HTTP-date; None if absent."""
+    millis = _non_negative(headers.get("retry-after-ms"))
+    if millis is not None:
+        return millis / 1000
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _non_negative(value)
+    if seconds is not None:
+        return seconds
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def _non_negative(value: str | None) -> float | None:
+    try:
+        number = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
