@@ -1,0 +1,146 @@
+"""Shared fixtures: a real redis-server on a free loopback port, started here.
+
+Every test gets its own key prefix, so tests never read or flush data they did not
+create. Without ``redis-server`` on the PATH the Redis fixtures fall back to fakeredis
+with a visible warning in the report header; under CI (``CI=true``) that is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis as sync_redis
+from redis.asyncio import Redis
+
+from worker.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """A redis-server subprocess owned by the test session (restartable for outage tests)."""
+
+    def __init__(self, executable: str, directory: Path, *extra: str) -> None:
+        self.executable = executable
+        self.directory = directory
+        self.extra = extra
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        command = [
+            self.executable,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(self.directory),
+            "--protected-mode",
+            "no",
+            *self.extra,
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        client = sync_redis.Redis.from_url(self.url)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except sync_redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+def redis_executable() -> str | None:
+    return shutil.which("redis-server")
+
+
+def pytest_report_header() -> str:
+    if redis_executable():
+        return "redis: a real redis-server per test session"
+    return "WARNING redis: redis-server not found; Redis tests fall back to fakeredis"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer | None]:
+    executable = redis_executable()
+    if executable is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI requires redis-server on the PATH")
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="chatstream-redis-") as directory:
+        server = RedisServer(executable, Path(directory))
+        server.start()
+        yield server
+        server.stop()
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer | None) -> AsyncIterator[Redis]:
+    if redis_server is None:
+        import fakeredis
+
+        client: Redis = fakeredis.FakeAsyncRedis(decode_responses=True)
+    else:
+        client = Redis.from_url(redis_server.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def settings(redis_server: RedisServer | None, prefix: str) -> Settings:
+    return Settings(
+        _env_file=None,
+        redis_url=redis_server.url if redis_server else "redis://127.0.0.1:1/0",
+        prefix=prefix,
+        upstream_url="http://127.0.0.1:9/v1",
+        concurrency=64,
+        lease_seconds=5,
+        block_ms=50,
+        retry_initial_backoff=0.01,
+        retry_max_backoff=0.05,
+        connect_timeout=2,
+        first_byte_timeout=5,
+        idle_timeout=5,
+        shutdown_grace_seconds=5,
+    )

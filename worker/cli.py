@@ -1,0 +1,262 @@
+"""The ``chatstream`` command. Every failure a user can cause is one line and exit 1."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from schemas.events import EventType, StreamEvent
+from schemas.jobs import JobRecord
+from worker.client import Client
+from worker.errors import ChatstreamError
+from worker.settings import Settings, load_settings
+
+Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
+log = logging.getLogger("chatstream.cli")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(run_command(args))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    redis_url = ""
+    try:
+        settings = load_settings()
+        redis_url = settings.redis_url
+        configure_logging(settings)
+        command: Command = args.command
+        return asyncio.run(command(settings, args))
+    except ChatstreamError as exc:
+        return fail(exc.message)
+    except RedisConnectionError as exc:
+        return fail(f"cannot reach Redis at {redacted_url(redis_url)}: {exc}")
+    except RedisError as exc:
+        return fail(f"Redis error: {exc}")
+    except TimeoutError:
+        return fail("timed out")
+    except KeyboardInterrupt:
+        return 130
+
+
+def fail(message: str) -> int:
+    print(f"chatstream: error: {message}", file=sys.stderr)
+    return 1
+
+
+def redacted_url(url: str) -> str:
+    """The Redis URL without its password."""
+    scheme, sep, rest = url.partition("://")
+    auth, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user = auth.split(":", 1)[0]
+    return f"{scheme}{sep}{user}{':***' if ':' in auth else ''}@{host}"
+
+
+def configure_logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+# -- commands ---------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def connected(settings: Settings) -> AsyncIterator[Client]:
+    client = Client.from_settings(settings)
+    try:
+        await client.redis.ping()
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def worker_command(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.runner import serve
+
+    if args.concurrency:
+        settings = settings.model_copy(update={"concurrency": args.concurrency})
+    async with connected(settings) as client:
+        await serve(settings, client.redis)
+    return 0
+
+
+async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.message})
+    request: dict[str, Any] = {"model": args.model, "messages": messages}
+    if args.mock:
+        request["mock"] = json.loads(args.mock)
+    async with connected(settings) as client:
+        job_id = await client.enqueue(request, job_id=args.job_id, upstream=args.upstream)
+        if not (args.follow or args.wait) or not args.json:
+            print(job_id, flush=True)
+        if args.follow:
+            await follow(client, job_id, as_json=args.json)
+        if args.wait or args.follow:
+            record = await client.result(job_id, timeout=args.timeout)
+            print_record(record, as_json=args.json)
+            return 0 if record.status == "succeeded" else 3
+    return 0
+
+
+async def follow(client: Client, job_id: str, *, as_json: bool) -> None:
+    async for event in client.events(job_id):
+        print_event(event, as_json=as_json)
+
+
+async def tail_command(settings: Settings, args: argparse.Namespace) -> int:
+    async with connected(settings) as client:
+        async for event in client.events(args.job, after=args.after):
+            print_event(event, as_json=args.json)
+    return 0
+
+
+async def status_command(settings: Settings, args: argparse.Namespace) -> int:
+    async with connected(settings) as client:
+        print_record(await client.get(args.job), as_json=args.json)
+    return 0
+
+
+async def cancel_command(settings: Settings, args: argparse.Namespace) -> int:
+    async with connected(settings) as client:
+        print(await client.cancel(args.job))
+    return 0
+
+
+async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.mock_upstream import serve_mock
+
+    async with serve_mock(
+        host=args.host, port=args.port, tokens=args.tokens, rate=args.rate
+    ) as url:
+        print(f"mock upstream listening on {url}", flush=True)
+        await asyncio.Event().wait()
+    return 0
+
+
+async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.demo import run_demo
+
+    return await run_demo(settings, args.message, tokens=args.tokens, rate=args.rate)
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def print_event(event: StreamEvent, *, as_json: bool) -> None:
+    if as_json:
+        line = {
+            "id": event.id,
+            "type": event.type.value,
+            "attempt": event.attempt,
+            "data": event.data,
+        }
+        print(json.dumps(line, ensure_ascii=False), flush=True)
+    elif event.type is EventType.DELTA:
+        print(event.data.get("content", ""), end="", flush=True)
+    elif event.type is EventType.RESET:
+        print(f"\n[reset: attempt {event.attempt} starts over]", flush=True)
+    else:
+        print(f"\n[{event.type.value}]", flush=True)
+
+
+def print_record(record: JobRecord, *, as_json: bool) -> None:
+    if as_json:
+        print(record.model_dump_json(exclude={"request"}), flush=True)
+        return
+    print(f"job       {record.id}\nstatus    {record.status.value}\nattempt   {record.attempt}")
+    if record.finish_reason:
+        print(f"finish    {record.finish_reason}")
+    if record.usage:
+        print(f"usage     {json.dumps(record.usage)}")
+    if record.error:
+        print(f"error     {json.dumps(record.error)}")
+    if record.tool_calls:
+        print(f"tools     {json.dumps(record.tool_calls)}")
+    print(
+        f"content   {record.content!r}"
+        if len(record.content) < 200
+        else f"content   {record.content[:200]!r}… ({len(record.content)} chars)"
+    )
+
+
+# -- parser -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chatstream",
+        description="Chat-completion jobs in, live token streams out (Redis Streams).",
+    )
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    _add_worker(sub)
+    _add_enqueue(sub)
+    _add_job_commands(sub)
+    _add_mock_and_demo(sub)
+    return parser
+
+
+def _add_worker(sub: Any) -> None:
+    p = sub.add_parser("worker", help="run a worker process")
+    p.add_argument("--concurrency", type=int, default=0, help="jobs in flight (default: settings)")
+    p.set_defaults(command=worker_command)
+
+
+def _add_enqueue(sub: Any) -> None:
+    p = sub.add_parser("enqueue", help="enqueue a chat job and print its id")
+    p.add_argument("--model", required=True)
+    p.add_argument("--message", required=True, help="the user message")
+    p.add_argument("--system", help="an optional system message")
+    p.add_argument("--upstream", default="default", help="a configured upstream name")
+    p.add_argument("--job-id", help="client-chosen id (makes enqueue idempotent)")
+    p.add_argument("--mock", help=argparse.SUPPRESS)
+    p.add_argument("--follow", action="store_true", help="print tokens live")
+    p.add_argument("--wait", action="store_true", help="wait for the final record")
+    p.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
+    p.add_argument("--json", action="store_true", help="JSON output")
+    p.set_defaults(command=enqueue_command)
+
+
+def _add_job_commands(sub: Any) -> None:
+    p = sub.add_parser("tail", help="print a job's events live")
+    p.add_argument("job")
+    p.add_argument("--after", default="0-0", help="resume after this entry id")
+    p.add_argument("--json", action="store_true", help="JSON lines")
+    p.set_defaults(command=tail_command)
+    p = sub.add_parser("status", help="print a job's record")
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command=status_command)
+    p = sub.add_parser("cancel", help="cancel a queued or running job")
+    p.add_argument("job")
+    p.set_defaults(command=cancel_command)
+
+
+def _add_mock_and_demo(sub: Any) -> None:
+    p = sub.add_parser("mock-upstream", help="serve a fake OpenAI-compatible streaming API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8400)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rate", type=float, default=0.0, help="tokens per second (0: unpaced)")
+    p.set_defaults(command=mock_command)
+    p = sub.add_parser("demo", help="stream one reply end to end (embedded Redis and upstream)")
+    p.add_argument("--message", default="Explain what a durable token stream is.")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rate", type=float, default=40.0)
+    p.set_defaults(command=demo_command)

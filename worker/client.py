@@ -1,0 +1,220 @@
+"""What backend services import: enqueue jobs, read their events live, wait, cancel.
+
+``Client`` is async and takes the application's own ``redis.asyncio.Redis``;
+``SyncClient`` offers the same calls to synchronous code (it runs them on a private event
+loop with its own connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from types import TracebackType
+from typing import Any
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+
+from schemas.events import StreamEvent
+from schemas.jobs import JobRecord, JobStatus
+from schemas.requests import ChatRequest, JobSpec
+from worker.errors import InvalidJobError, JobNotFoundError
+from worker.keys import Keys
+from worker.queue import Queue
+from worker.records import Records, as_text, dumps
+from worker.settings import Settings
+
+READ_BLOCK_MS = 5_000
+
+
+class Client:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        prefix: str = "chatstream",
+        retention_seconds: int = 86_400,
+        max_request_bytes: int = 1_048_576,
+        upstreams: list[str] | None = None,
+    ) -> None:
+        self.redis = redis
+        self.keys = Keys(prefix)
+        self.records = Records(redis, self.keys, retention_seconds)
+        self.queue = Queue(redis, self.keys, "client")
+        self.max_request_bytes = max_request_bytes
+        self.upstreams = upstreams
+
+    @classmethod
+    def from_settings(cls, settings: Settings, redis: Redis | None = None) -> Client:
+        return cls(
+            redis or redis_from_settings(settings),
+            prefix=settings.prefix,
+            retention_seconds=settings.retention_seconds,
+            max_request_bytes=settings.max_request_bytes,
+            upstreams=settings.upstream_names(),
+        )
+
+    async def enqueue(
+        self,
+        request: ChatRequest | dict[str, Any],
+        job_id: str | None = None,
+        upstream: str = "default",
+        metadata: dict[str, Any] | None = None,
+    ) -> str:
+        """Validate and queue a job; the same ``job_id`` twice is the same job."""
+        spec = self._spec(request, job_id or uuid.uuid4().hex, upstream, metadata or {})
+        request_json = spec.request.model_dump_json()
+        if len(request_json.encode()) > self.max_request_bytes:
+            raise InvalidJobError(
+                f"request is larger than the limit of {self.max_request_bytes} bytes"
+            )
+        state = await self.records.create(spec.id, _record_fields(spec, request_json))
+        if state != "exists":
+            entry_id = await self.queue.add(spec.id)
+            await self.records.mark_queued(spec.id, entry_id)
+        return spec.id
+
+    def _spec(
+        self,
+        request: ChatRequest | dict[str, Any],
+        job_id: str,
+        upstream: str,
+        metadata: dict[str, Any],
+    ) -> JobSpec:
+        if self.upstreams is not None and upstream not in self.upstreams:
+            raise InvalidJobError(f"unknown upstream {upstream!r}; configured: {self.upstreams}")
+        try:
+            return JobSpec.model_validate(
+                {"id": job_id, "request": request, "upstream": upstream, "metadata": metadata}
+            )
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidJobError(f"invalid job: {problems}") from None
+
+    async def get(self, job_id: str) -> JobRecord:
+        raw = await self.records.fetch(job_id)
+        if not raw:
+            raise JobNotFoundError(f"no job {job_id!r} (never enqueued, or expired)")
+        return JobRecord.from_hash(raw)
+
+    async def events(
+        self, job_id: str, after: str = "0-0", block_ms: int = READ_BLOCK_MS
+    ) -> AsyncIterator[StreamEvent]:
+        """The job's events from ``after`` on, live, ending after the terminal event."""
+        await self.get(job_id)
+        key = self.keys.events(job_id)
+        cursor = after
+        while True:
+            reply: Any = await self.redis.xread({key: cursor}, count=1000, block=block_ms)
+            if not reply:
+                if await self._vanished(job_id):
+                    return
+                continue
+            for entry_id, fields in reply[0][1]:
+                cursor = as_text(entry_id)
+                event = StreamEvent.from_entry(
+                    cursor, {as_text(k): as_text(v) for k, v in fields.items()}
+                )
+                yield event
+                if event.terminal:
+                    return
+
+    async def _vanished(self, job_id: str) -> bool:
+        return not await self.redis.exists(self.keys.job(job_id))
+
+    async def result(self, job_id: str, timeout: float | None = None) -> JobRecord:
+        """Wait for the terminal state and return the record (TimeoutError after ``timeout``)."""
+        async with asyncio.timeout(timeout):
+            record = await self.get(job_id)
+            if record.terminal:
+                return record
+            async for event in self.events(job_id):
+                if event.terminal:
+                    break
+            return await self.get(job_id)
+
+    async def cancel(self, job_id: str) -> JobStatus | str:
+        """Cancel a queued or running job.
+
+        Returns ``cancelled`` (it was queued), ``requested`` (it is running; its stream ends
+        with ``cancelled`` shortly) or the status it had already reached.
+        """
+        state = await self.records.cancel(job_id)
+        if state == "missing":
+            raise JobNotFoundError(f"no job {job_id!r} (never enqueued, or expired)")
+        if state == "requested":
+            await self.redis.publish(self.keys.cancel_channel, job_id)
+        return state
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+
+def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
+    return {
+        "id": spec.id,
+        "status": JobStatus.QUEUED.value,
+        "request": request_json,
+        "upstream": spec.upstream,
+        "metadata": dumps(spec.metadata),
+        "created_at": f"{time.time():.6f}",
+        "attempt": "0",
+    }
+
+
+def redis_from_settings(settings: Settings) -> Redis:
+    return Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+
+
+class SyncClient:
+    """The same calls for synchronous code, on a private event loop."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self._runner = asyncio.Runner()
+        self._settings = settings or Settings()
+        self._client = Client.from_settings(self._settings)
+
+    def enqueue(
+        self,
+        request: ChatRequest | dict[str, Any],
+        job_id: str | None = None,
+        upstream: str = "default",
+        metadata: dict[str, Any] | None = None,
+    ) -> str:
+        return self._runner.run(self._client.enqueue(request, job_id, upstream, metadata))
+
+    def get(self, job_id: str) -> JobRecord:
+        return self._runner.run(self._client.get(job_id))
+
+    def result(self, job_id: str, timeout: float | None = None) -> JobRecord:
+        return self._runner.run(self._client.result(job_id, timeout))
+
+    def cancel(self, job_id: str) -> JobStatus | str:
+        return self._runner.run(self._client.cancel(job_id))
+
+    def events(self, job_id: str, after: str = "0-0") -> Iterator[StreamEvent]:
+        stream = self._client.events(job_id, after)
+        try:
+            while True:
+                try:
+                    yield self._runner.run(anext(stream))  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._runner.run(stream.aclose())  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._runner.run(self._client.aclose())
+        self._runner.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+    ) -> None:
+        self.close()

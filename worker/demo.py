@@ -1,0 +1,76 @@
+"""``chatstream demo``: the whole product on one machine with nothing but Python.
+
+Without ``CHATSTREAM_REDIS_URL`` it uses an in-process Redis stand-in (fakeredis); without
+``CHATSTREAM_UPSTREAM_URL`` (or named upstreams) it serves the mock upstream on loopback.
+Set either and the same command uses the real thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from contextlib import AsyncExitStack
+
+from redis.asyncio import Redis
+
+from worker.cli import print_event, print_record
+from worker.client import Client, redis_from_settings
+from worker.runner import Worker
+from worker.settings import Settings
+
+
+async def run_demo(settings: Settings, message: str, *, tokens: int, rate: float) -> int:
+    async with AsyncExitStack() as stack:
+        redis = await stack.enter_async_context(_redis(settings))
+        settings = await _upstream(stack, settings, tokens, rate)
+        worker = Worker(settings, redis)
+        await worker.startup()
+        consume = asyncio.create_task(worker.consume())
+        try:
+            return await _stream_one(Client.from_settings(settings, redis), message)
+        finally:
+            consume.cancel()
+            await asyncio.gather(consume, return_exceptions=True)
+            await worker.shutdown()
+
+
+def _redis(settings: Settings) -> Redis:
+    if "redis_url" in settings.model_fields_set:
+        return redis_from_settings(settings)
+    import fakeredis
+
+    print(
+        "demo: using an in-process Redis stand-in (set CHATSTREAM_REDIS_URL for a real one)",
+        file=sys.stderr,
+    )
+    fake: Redis = fakeredis.FakeAsyncRedis(decode_responses=True)
+    return fake
+
+
+async def _upstream(
+    stack: AsyncExitStack, settings: Settings, tokens: int, rate: float
+) -> Settings:
+    if "upstream_url" in settings.model_fields_set or settings.upstreams:
+        return settings
+    from worker.mock_upstream import serve_mock
+
+    url = await stack.enter_async_context(
+        serve_mock(host="127.0.0.1", port=0, tokens=tokens, rate=rate)
+    )
+    print(
+        f"demo: using the mock upstream at {url} (set CHATSTREAM_UPSTREAM_URL for a real one)",
+        file=sys.stderr,
+    )
+    return settings.model_copy(update={"upstream_url": url})
+
+
+async def _stream_one(client: Client, message: str) -> int:
+    request = {"model": "mock-demo", "messages": [{"role": "user", "content": message}]}
+    job_id = await client.enqueue(request)
+    print(f"job {job_id} queued; streaming its events live:\n", flush=True)
+    async for event in client.events(job_id):
+        print_event(event, as_json=False)
+    record = await client.get(job_id)
+    print()
+    print_record(record, as_json=False)
+    return 0 if record.status == "succeeded" else 3

@@ -1,0 +1,238 @@
+"""One job's whole data flow, top to bottom.
+
+request (record) ──▶ upstream SSE bytes ──▶ SSEDecoder ──▶ Accumulator ──▶ Publisher
+                                                               │
+                               final message / error ──▶ terminal write (record + event)
+
+Only this module knows the whole chain. Retries: failures before the first byte are
+retried inside ``UpstreamClient``; a retryable failure after it (truncated stream,
+disconnect, idle timeout) is retried here when nothing was published yet, or, with
+``retry_after_output``, as a new attempt that starts with a ``reset`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.events import EventType
+from schemas.jobs import JobStatus
+from schemas.requests import ChatRequest
+from worker.accumulator import Accumulator, FinalMessage
+from worker.errors import (
+    ChatstreamError,
+    InvalidJobError,
+    TruncatedStreamError,
+    UpstreamTimeoutError,
+    retryable,
+)
+from worker.publisher import JobStream, Publisher, Terminal
+from worker.records import Records, dumps
+from worker.settings import Settings
+from worker.sse import SSEDecoder
+from worker.upstream import UpstreamClient
+
+log = logging.getLogger("chatstream.pipeline")
+
+
+class Outcome(Enum):
+    FINISHED = "finished"  # terminal state written: ack the queue entry
+    STALE = "stale"  # a newer attempt owns the job: leave the entry to it
+    RELEASED = "released"  # given back to the queue (shutdown)
+
+
+@dataclass(slots=True)
+class JobRun:
+    """A started attempt, as the runner tracks it."""
+
+    job_id: str
+    attempt: int
+    request: str
+    upstream: str
+    stream: JobStream
+    cancel_requested: bool = False
+    release_requested: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    settings: Settings
+    records: Records
+    publisher: Publisher
+    upstream: UpstreamClient
+    worker_name: str
+
+
+async def run_job(services: Services, job: JobRun) -> Outcome:
+    """Run one attempt to its terminal write; never raises for anything the job did."""
+    final: FinalMessage | None = None
+    error: ChatstreamError | None = None
+    try:
+        body = load_request(job.request, services.settings.max_request_bytes)
+        async with asyncio.timeout(services.settings.job_timeout):
+            final, error = await stream_with_retries(services, job, body)
+    except ChatstreamError as exc:
+        error = exc
+    except TimeoutError:
+        error = UpstreamTimeoutError(f"job exceeded {services.settings.job_timeout:g}s")
+    except asyncio.CancelledError:
+        if not (job.cancel_requested or job.release_requested):
+            raise
+        _uncancel()
+        if job.release_requested:
+            return Outcome.RELEASED
+        return await write_terminal(services, job, None, None, cancelled=True)
+    return await write_terminal(services, job, final, error)
+
+
+def load_request(raw: str, max_bytes: int) -> dict[str, Any]:
+    """The upstream body from the stored request, or InvalidJobError saying what is wrong."""
+    if len(raw.encode()) > max_bytes:
+        raise InvalidJobError(f"request is larger than the limit of {max_bytes} bytes")
+    try:
+        return ChatRequest.model_validate_json(raw).upstream_body()
+    except ValidationError as exc:
+        raise InvalidJobError(f"invalid request: {_first_problem(exc)}") from None
+
+
+async def stream_with_retries(
+    services: Services, job: JobRun, body: dict[str, Any]
+) -> tuple[FinalMessage, ChatstreamError | None]:
+    """Stream the reply; retry retryable failures the policy allows."""
+    tries = 0
+    while True:
+        tries += 1
+        acc = Accumulator()
+        try:
+            await stream_once(services, job, body, acc)
+            return acc.finish(), None
+        except ChatstreamError as exc:
+            if not await _may_retry(services, job, exc, tries):
+                return acc.finish(), exc
+            log.info("job %s attempt %d: retrying after %s", job.job_id, job.attempt, exc.code)
+
+
+async def stream_once(
+    services: Services, job: JobRun, body: dict[str, Any], acc: Accumulator
+) -> None:
+    decoder = SSEDecoder(services.settings.max_event_bytes)
+    publisher = services.publisher
+    async with services.upstream.stream(job.upstream, body) as chunks:
+        async for data in chunks:
+            for event in decoder.feed(data):
+                delta = acc.feed_data(event.data)
+                if delta is not None:
+                    publisher.publish(job.stream, delta)
+            if acc.done or acc.errored:
+                break
+    for event in decoder.flush():
+        delta = acc.feed_data(event.data)
+        if delta is not None:
+            publisher.publish(job.stream, delta)
+    if not (acc.done or acc.errored or acc.finished):
+        raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
+
+
+async def _may_retry(services: Services, job: JobRun, exc: ChatstreamError, tries: int) -> bool:
+    settings = services.settings
+    if not retryable(exc) or tries >= settings.max_attempts:
+        return False
+    if not _has_output(job.stream):
+        return True
+    if not settings.retry_after_output:
+        return False
+    started = await services.records.start(job.job_id, services.worker_name, settings.max_attempts)
+    if started.state != "started":
+        return False
+    job.attempt = started.attempt
+    job.stream = services.publisher.open(job.job_id, started.attempt)
+    return True
+
+
+def _has_output(stream: JobStream) -> bool:
+    return stream.seq > 0 or stream.pending is not None
+
+
+async def write_terminal(
+    services: Services,
+    job: JobRun,
+    final: FinalMessage | None,
+    error: ChatstreamError | None,
+    *,
+    cancelled: bool = False,
+) -> Outcome:
+    terminal = build_terminal(final, error, cancelled=cancelled)
+    written = await services.publisher.finish(job.stream, terminal)
+    if not written:
+        log.warning("job %s attempt %d is stale: a newer attempt owns it", job.job_id, job.attempt)
+        return Outcome.STALE
+    return Outcome.FINISHED
+
+
+def build_terminal(
+    final: FinalMessage | None, error: ChatstreamError | None, *, cancelled: bool = False
+) -> Terminal:
+    """The record fields and closing event for how the attempt ended."""
+    fields = message_fields(final)
+    usage = final.usage if final is not None else None
+    finish_reason = final.finish_reason if final is not None else None
+    if cancelled:
+        data: dict[str, Any] = {"usage": usage}
+        status, event = JobStatus.CANCELLED, EventType.CANCELLED
+    elif error is not None or (final is not None and final.error is not None):
+        err = error.to_record() if error is not None else _upstream_error(final)
+        fields["error"] = dumps(err)
+        status, event = JobStatus.FAILED, EventType.ERROR
+        data = {"error": err, "finish_reason": finish_reason, "usage": usage}
+    else:
+        status, event = JobStatus.SUCCEEDED, EventType.DONE
+        data = {"finish_reason": finish_reason, "usage": usage}
+    fields["status"] = status.value
+    fields["finished_at"] = f"{time.time():.6f}"
+    return Terminal(event.value, data, fields)
+
+
+def message_fields(final: FinalMessage | None) -> dict[str, str]:
+    if final is None:
+        return {}
+    fields = {
+        "content": final.content,
+        "reasoning": dumps(final.reasoning),
+        "tool_calls": dumps(final.tool_calls),
+        "finish_reason": final.finish_reason or "",
+        "usage": dumps(final.usage) if final.usage is not None else "",
+        "completion_id": final.completion_id or "",
+        "model": final.model or "",
+    }
+    for name, value in final.extras.items():
+        fields[name] = dumps(value)
+    return fields
+
+
+def _upstream_error(final: FinalMessage | None) -> dict[str, Any]:
+    error = final.error if final is not None else None
+    return {"code": "upstream_stream_error", "message": _error_message(error), "detail": error}
+
+
+def _error_message(error: Any) -> str:
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    return "the upstream reported an error mid-stream"
+
+
+def _first_problem(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(part) for part in err["loc"]) or "body"
+    return f"{where}: {err['msg']}"
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
