@@ -15,12 +15,19 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
 
+from schemas.events import StreamEvent
+from schemas.jobs import JobRecord
+from worker.client import Client
+from worker.mock_upstream import MockConfig, MockUpstream, serve_mock
+from worker.runner import Worker
 from worker.settings import Settings
 
 
@@ -144,3 +151,51 @@ def settings(redis_server: RedisServer | None, prefix: str) -> Settings:
         idle_timeout=5,
         shutdown_grace_seconds=5,
     )
+
+
+@dataclass
+class Harness:
+    """A started in-process worker, a client, and the mock upstream they talk to."""
+
+    settings: Settings
+    redis: Redis
+    mock: MockUpstream
+    worker: Worker
+    client: Client
+
+    async def run(self, request: dict[str, Any], **kwargs: Any) -> JobRecord:
+        """Enqueue one job, run the worker until the queue is empty, return the record."""
+        job_id = await self.client.enqueue(request, **kwargs)
+        await self.worker.run_burst()
+        return await self.client.get(job_id)
+
+    async def events(self, job_id: str) -> list[StreamEvent]:
+        return [event async for event in self.client.events(job_id, block_ms=100)]
+
+
+def chat(text: str = "hello", **mock: Any) -> dict[str, Any]:
+    """A chat request for the mock upstream; ``mock`` options steer its behaviour."""
+    message = {"role": "user", "content": text}
+    request: dict[str, Any] = {"model": "mock-model", "messages": [message]}
+    if mock:
+        request["mock"] = mock
+    return request
+
+
+@pytest.fixture
+async def mock_upstream() -> AsyncIterator[tuple[MockUpstream, str]]:
+    app = MockUpstream(MockConfig(tokens=12))
+    async with serve_mock(app=app) as url:
+        yield app, url
+
+
+@pytest.fixture
+async def harness(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> AsyncIterator[Harness]:
+    app, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url})
+    worker = Worker(settings, redis)
+    await worker.startup()
+    yield Harness(settings, redis, app, worker, Client.from_settings(settings, redis))
+    await worker.shutdown()
