@@ -53,12 +53,20 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic_core import from_json
+
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError, snippet
 
 DONE = "[DONE]"
 ENCRYPTED = "reasoning.encrypted"
 _CONCAT_KEYS = frozenset({"text", "summary"})
 _EXTRA_KEYS = ("web_search", "free_tier")
+# a chunk with any of these keys takes the general path
+_TRAILER_KEYS = frozenset({"usage", "error", *_EXTRA_KEYS})
+_ARGS_ONLY = frozenset({"arguments"})
+_REASONING_DELTA_KEYS = frozenset(
+    {"reasoning_details", "reasoning", "reasoning_content", "content", "role"}
+)
 
 End = Literal["done", "complete", "truncated", "error"]
 
@@ -267,6 +275,22 @@ def _reasoning_fragments(delta: dict[str, Any]) -> list[Any]:
     return []
 
 
+def _single_plain_delta(chunk: Any) -> dict[str, Any] | None:
+    """The delta of a chunk with one choice, no finish_reason and no trailer."""
+    if type(chunk) is not dict or not _TRAILER_KEYS.isdisjoint(chunk):
+        return None
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict or choice.get("finish_reason") is not None:
+        return None
+    delta = choice.get("delta")
+    if type(delta) is not dict or choice.get("index", 0) != 0:
+        return None
+    return delta
+
+
 class Accumulator:
     """Folds one stream's SSE data fields into published deltas and the final message."""
 
@@ -313,7 +337,7 @@ class Accumulator:
             self._done = self._closed = True
             return None
         try:
-            chunk = json.loads(data)
+            chunk = from_json(data)
         except (ValueError, RecursionError) as exc:
             if not data.strip():
                 return None
@@ -324,6 +348,9 @@ class Accumulator:
         """Fold one decoded chunk; return the delta to publish, if any."""
         if self._closed:
             return None
+        delta = self._fast_path(chunk)
+        if delta is not None:
+            return delta
         if not isinstance(chunk, dict):
             raise _bad("a chunk must be a JSON object", chunk)
         if self._completion_id is None or self._model is None:
@@ -332,6 +359,71 @@ class Accumulator:
         delta = self._add_choices(choices) if choices is not None else None
         self._take_trailer(chunk)
         return delta
+
+    def _fast_path(self, chunk: Any) -> Delta | None:
+        """The common chunk in a few checks: one choice whose delta is only a text,
+        tool-arguments or same-kind reasoning fragment, and nothing else to take.
+        Returns None whenever the general path must decide (same result, only slower)."""
+        if self._model is None or self._completion_id is None:
+            return None
+        delta = _single_plain_delta(chunk)
+        if delta is None:
+            return None
+        content = delta.get("content")
+        if len(delta) == 1:
+            if type(content) is str and content:
+                self._content.append(content)
+                return Delta(None, content)
+            tools = delta.get("tool_calls")
+            if type(tools) is list and len(tools) == 1:
+                return self._fast_arguments(tools[0])
+        details = delta.get("reasoning_details")
+        if (
+            type(details) is list
+            and len(details) == 1
+            and content in (None, "")
+            and delta.get("role") is None
+            and delta.keys() <= _REASONING_DELTA_KEYS
+        ):
+            return self._fast_reasoning(details[0])
+        return None
+
+    def _fast_arguments(self, frag: Any) -> Delta | None:
+        """``{"index": i, "function": {"arguments": "..."}}`` for a call already open."""
+        if type(frag) is not dict or len(frag) != 2:
+            return None
+        index, fn = frag.get("index"), frag.get("function")
+        call = self._calls.get(index) if type(index) is int else None
+        if call is None or type(fn) is not dict or fn.keys() != _ARGS_ONLY:
+            return None
+        args = fn["arguments"]
+        if type(args) is not str or not args:
+            return None
+        call.args.append(args)
+        self._last_call = index
+        return Delta(None, "", [], [{"index": index, "function": {"arguments": args}}])
+
+    def _fast_reasoning(self, frag: Any) -> Delta | None:
+        """A text fragment continuing the last entry, its other keys equal to the entry's."""
+        entries = self._reasoning
+        if type(frag) is not dict or not entries:
+            return None
+        entry, text = entries[-1], frag.get("text")
+        if type(text) is not str or not text or "text" not in entry:
+            return None
+        kind = entry.get("type")
+        if kind == ENCRYPTED or frag.get("type") != kind:
+            return None
+        out: dict[str, Any] = {}
+        for key, value in frag.items():
+            if value is not None:
+                if key != "text" and entry.get(key) != value:
+                    return None
+                out[key] = value
+        if "index" not in out and entry.get("index") is not None:
+            out["index"] = entry["index"]
+        entry["text"].append(text)
+        return Delta(None, "", [out])
 
     def _take_ids(self, chunk: dict[str, Any]) -> None:
         cid, model = chunk.get("id"), chunk.get("model")
