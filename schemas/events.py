@@ -1,4 +1,9 @@
-"""The entries of a job's events stream, as consumers read them (see docs/events.md)."""
+"""The entries of a job's events stream, as consumers read them (see docs/events.md).
+
+A stream entry has three string fields: ``type``, ``attempt`` and ``data`` (compact JSON).
+:class:`StreamEvent` is the decoded entry; the ``*Data`` models document (and let a
+consumer validate) the ``data`` object of each type. The worker itself writes plain dicts.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import json
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.chunks import ReasoningDetail
 
 
 class EventType(StrEnum):
@@ -22,20 +29,131 @@ TERMINAL_EVENTS: frozenset[EventType] = frozenset(
 )
 
 
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionFragment(_Data):
+    """A fragment of a tool call's function: ``name`` once, ``arguments`` to concatenate."""
+
+    name: str | None = Field(
+        None, description="The function name; only on the first fragment that names it."
+    )
+    arguments: str | None = Field(
+        None, description="A piece of the JSON arguments string; concatenate in order."
+    )
+
+
+class ToolCallFragment(_Data):
+    """A tool-call fragment of a delta; fragments with the same ``index`` build one call."""
+
+    index: int = Field(
+        ge=0, description="Which call this fragment belongs to (always present, resolved)."
+    )
+    id: str | None = Field(None, description="The call id; only on the first fragment with it.")
+    type: str | None = Field(
+        None, description='The call type ("function"); only on the first fragment with it.'
+    )
+    function: FunctionFragment | None = Field(None, description="Name and/or arguments piece.")
+
+
+class DeltaData(_Data):
+    """``data`` of a ``delta`` entry: everything that arrived since the previous delta entry.
+
+    Only non-empty keys are present. Merge consecutive deltas in order: ``role`` is set
+    once; ``content`` concatenates; ``tool_calls`` merge by ``index`` (``id``, ``type`` and
+    ``function.name`` keep the first non-empty value, ``function.arguments``
+    concatenate); a ``reasoning_details`` fragment joins the last entry when both have the
+    same ``type`` (not ``reasoning.encrypted``) and equal ``index`` (or either has none),
+    concatenating ``text`` / ``summary`` and keeping the first non-null value of every
+    other key, else it starts a new entry.
+    """
+
+    role: str | None = Field(None, description='The message role ("assistant"), once.')
+    content: str | None = Field(None, description="Text to append to the message content.")
+    reasoning_details: list[ReasoningDetail] | None = Field(
+        None, description="Reasoning fragments to merge into the reasoning entries."
+    )
+    tool_calls: list[ToolCallFragment] | None = Field(
+        None, description="Tool-call fragments to merge by index."
+    )
+
+
+class ResetData(_Data):
+    """``data`` of a ``reset`` entry: a new attempt starts; earlier deltas are void."""
+
+    reason: str = Field(description="A human-readable reason.")
+
+
+class ErrorObject(_Data):
+    """The error of a failed job (the same object as the record's ``error`` field)."""
+
+    code: str = Field(
+        description="Machine-readable code, e.g. upstream_terminal, upstream_retryable, "
+        "upstream_timeout, truncated, upstream_stream_error, protocol, event_too_large, "
+        "invalid_job, unknown_upstream, attempts_exhausted."
+    )
+    message: str = Field(description="Human-readable message (never contains secrets).")
+    status: int | None = Field(None, description="The upstream HTTP status, when there was one.")
+    detail: Any = Field(
+        None, description="The upstream's error object (or a snippet of its body), when known."
+    )
+
+
+class DoneData(_Data):
+    """``data`` of a ``done`` entry: the job succeeded."""
+
+    finish_reason: str | None = Field(description="The upstream's finish_reason.")
+    usage: dict[str, Any] | None = Field(description="Token usage (the last non-null usage).")
+
+
+class ErrorData(_Data):
+    """``data`` of an ``error`` entry: the job failed; deltas before it are the partial output."""
+
+    error: ErrorObject
+    finish_reason: str | None = Field(
+        None, description="The upstream's finish_reason, if it sent one."
+    )
+    usage: dict[str, Any] | None = Field(None, description="Token usage, if the upstream sent it.")
+
+
+class CancelledData(_Data):
+    """``data`` of a ``cancelled`` entry: the job was cancelled."""
+
+    usage: dict[str, Any] | None = Field(
+        None, description="Token usage, absent when the job was cancelled before it ran."
+    )
+
+
+DATA_MODELS: dict[EventType, type[BaseModel]] = {
+    EventType.DELTA: DeltaData,
+    EventType.RESET: ResetData,
+    EventType.DONE: DoneData,
+    EventType.ERROR: ErrorData,
+    EventType.CANCELLED: CancelledData,
+}
+
+
 class StreamEvent(BaseModel):
     """One entry of ``<prefix>:job:{<id>}:events``.
 
     ``id`` is the stream entry id: the resume cursor. ``data`` depends on ``type``:
     delta: ``{role?, content?, reasoning_details?, tool_calls?}`` (what arrived since the
     previous delta entry; tool-call fragments carry their ``index``);
-    reset: ``{reason}``; done: ``{finish_reason, usage}``; error: ``{error, finish_reason,
-    usage}``; cancelled: ``{usage}``.
+    reset: ``{reason}``; done: ``{finish_reason, usage}``; error: ``{error, finish_reason?,
+    usage?}``; cancelled: ``{usage?}``. See ``DATA_MODELS`` for each type's model.
     """
 
-    id: str
-    type: EventType
-    attempt: int = Field(ge=1)
-    data: dict[str, Any] = Field(default_factory=dict)
+    id: str = Field(description="The stream entry id, e.g. 1718000000000-0: the resume cursor.")
+    type: EventType = Field(description="delta | reset | done | error | cancelled.")
+    attempt: int = Field(
+        ge=0,
+        description="The attempt that wrote the entry (1, 2, ...; 0 only on the cancelled "
+        "entry of a job cancelled before any attempt started).",
+    )
+    data: dict[str, Any] = Field(
+        default_factory=dict, description="The type's data object (see DATA_MODELS)."
+    )
 
     @property
     def terminal(self) -> bool:
@@ -49,3 +167,7 @@ class StreamEvent(BaseModel):
             attempt=int(fields["attempt"]),
             data=json.loads(fields.get("data") or "{}"),
         )
+
+    def parsed_data(self) -> BaseModel:
+        """``data`` validated as this type's model (``DeltaData``, ``DoneData``, ...)."""
+        return DATA_MODELS[self.type].model_validate(self.data)

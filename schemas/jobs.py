@@ -39,27 +39,40 @@ class JobRecord(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    id: str
-    status: JobStatus
-    request: dict[str, Any] | None = None
-    upstream: str = "default"
-    created_at: float | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    attempt: int = 0
-    worker: str | None = None
-    content: str = ""
-    reasoning: list[dict[str, Any]] = Field(default_factory=list)
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    completion_id: str | None = None
-    model: str | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    web_search: Any = None
-    free_tier: Any = None
-    cancel_requested: bool = False
+    id: str = Field(description="The job id (client-chosen or a random hex id).")
+    status: JobStatus = Field(description="queued | running | succeeded | failed | cancelled.")
+    request: dict[str, Any] | None = Field(
+        None, description="The chat request as enqueued (JSON), sent upstream with stream: true."
+    )
+    upstream: str = Field("default", description="The configured upstream name the job uses.")
+    created_at: float | None = Field(None, description="Enqueue time (Unix seconds).")
+    started_at: float | None = Field(None, description="Start of the latest attempt.")
+    finished_at: float | None = Field(None, description="Time of the terminal status.")
+    attempt: int = Field(0, description="The latest attempt number (0 until one starts).")
+    worker: str | None = Field(None, description="The worker running (or that ran) the attempt.")
+    content: str = Field("", description="The final message content (partial on failure).")
+    reasoning: list[dict[str, Any]] = Field(
+        default_factory=list, description="The merged reasoning_details entries."
+    )
+    tool_calls: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="The final tool calls: {id, type, function: {name, arguments}}.",
+    )
+    finish_reason: str | None = Field(None, description="The upstream's finish_reason.")
+    usage: dict[str, Any] | None = Field(
+        None, description="Token usage: the last non-null usage the upstream sent."
+    )
+    error: dict[str, Any] | None = Field(
+        None, description="On failure: {code, message, status?, detail?}."
+    )
+    completion_id: str | None = Field(None, description="The upstream's completion id.")
+    model: str | None = Field(None, description="The model the upstream reported.")
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="Caller metadata given at enqueue (JSON)."
+    )
+    web_search: Any = Field(None, description="Provider extra, when the upstream sent it.")
+    free_tier: Any = Field(None, description="Provider extra, when the upstream sent it.")
+    cancel_requested: bool = Field(False, description="A cancel was requested.")
 
     @property
     def terminal(self) -> bool:

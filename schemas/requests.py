@@ -14,8 +14,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str = Field(min_length=1)
-    content: Any = None
+    role: str = Field(min_length=1, description="system | user | assistant | tool | ...")
+    content: Any = Field(None, description="A string or a list of content parts.")
 
 
 class ChatRequest(BaseModel):
@@ -28,8 +28,10 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
+    model: str = Field(min_length=1, description="The model name, passed to the upstream.")
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="The conversation, OpenAI chat format."
+    )
 
     @field_validator("model")
     @classmethod
@@ -53,7 +55,15 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(pattern=JOB_ID_PATTERN)
-    request: ChatRequest
-    upstream: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    id: str = Field(
+        pattern=JOB_ID_PATTERN, description="The job id; enqueueing the same id twice is a no-op."
+    )
+    request: ChatRequest = Field(description="The OpenAI-compatible chat request body.")
+    upstream: str = Field(
+        default="default",
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="A configured upstream name (never a URL).",
+    )
+    metadata: dict[str, Any] = Field(
+        default_factory=dict, description="Caller metadata, stored on the record."
+    )

@@ -19,9 +19,11 @@ DEFAULT_UPSTREAM = "default"
 class Upstream(BaseModel):
     """One named OpenAI-compatible endpoint; ``url`` is the base ending in ``/v1``."""
 
-    url: str = Field(pattern=r"^https?://")
-    api_key: SecretStr | None = None
-    headers: dict[str, str] = Field(default_factory=dict)
+    url: str = Field(pattern=r"^https?://", description="Base URL ending in /v1.")
+    api_key: SecretStr | None = Field(None, description="Sent as a Bearer token.")
+    headers: dict[str, str] = Field(
+        default_factory=dict, description="Extra request headers (e.g. HTTP-Referer)."
+    )
 
     @property
     def completions_url(self) -> str:
@@ -33,36 +35,128 @@ class Settings(BaseSettings):
         env_prefix="CHATSTREAM_", env_file=".env", env_nested_delimiter="__", extra="ignore"
     )
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", pattern=r"^(redis|rediss|unix)://")
-    prefix: str = Field("chatstream", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
-    upstream_url: str = Field("http://127.0.0.1:8400/v1", pattern=r"^https?://")
-    upstream_api_key: SecretStr | None = None
-    upstreams: dict[str, Upstream] = Field(default_factory=dict)
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        pattern=r"^(redis|rediss|unix)://",
+        description="Redis URL: redis://, rediss:// (TLS) or unix://; user and password "
+        "for ACLs go in the URL.",
+    )
+    prefix: str = Field(
+        "chatstream",
+        pattern=r"^[A-Za-z0-9_.:-]{1,64}$",
+        description="Prefix of every Redis key; workers and clients must agree on it.",
+    )
+    upstream_url: str = Field(
+        "http://127.0.0.1:8400/v1",
+        pattern=r"^https?://",
+        description="Base URL (ending in /v1) of the upstream named `default`.",
+    )
+    upstream_api_key: SecretStr | None = Field(
+        None, description="API key of the `default` upstream, sent as a Bearer token."
+    )
+    upstreams: dict[str, Upstream] = Field(
+        default_factory=dict,
+        description="Named upstreams as JSON: {name: {url, api_key?, headers?}}; a job "
+        "picks one by name.",
+    )
 
-    concurrency: int = Field(256, ge=1, le=100_000)
-    lease_seconds: float = Field(30.0, gt=0)
-    retention_seconds: int = Field(86_400, ge=1)
-    block_ms: int = Field(5_000, ge=1)
+    concurrency: int = Field(
+        256,
+        ge=1,
+        le=100_000,
+        description="Jobs in flight per worker process (also its upstream connection limit).",
+    )
+    lease_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Lease on a running job, renewed every lease/3; a job whose worker "
+        "stopped renewing is taken over after this long.",
+    )
+    retention_seconds: int = Field(
+        86_400,
+        ge=1,
+        description="TTL of job records and events streams, counted from the last state change.",
+    )
+    block_ms: int = Field(
+        2_000,
+        ge=1,
+        le=60_000,
+        description="How long one queue read (XREADGROUP) waits for jobs; kept below the "
+        "Redis socket timeout (redis-py's default is 5 s).",
+    )
 
-    connect_timeout: float = Field(10.0, gt=0)
-    first_byte_timeout: float = Field(60.0, gt=0)
-    idle_timeout: float = Field(60.0, gt=0)
-    job_timeout: float = Field(900.0, gt=0)
+    connect_timeout: float = Field(
+        10.0, gt=0, description="Upstream TCP/TLS connect timeout, seconds."
+    )
+    first_byte_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Per try: sending the request until the first body byte, seconds.",
+    )
+    idle_timeout: float = Field(
+        60.0, gt=0, description="Longest silence allowed mid-stream, seconds (retryable)."
+    )
+    job_timeout: float = Field(
+        900.0, gt=0, description="Longest a worker spends on one job, retries included, seconds."
+    )
 
-    retry_attempts: int = Field(4, ge=1, le=100)
-    retry_initial_backoff: float = Field(0.5, ge=0)
-    retry_max_backoff: float = Field(20.0, ge=0)
-    max_attempts: int = Field(3, ge=1, le=100)
-    retry_after_output: bool = False
+    retry_attempts: int = Field(
+        4,
+        ge=1,
+        le=100,
+        description="Tries of the upstream call before its first byte (the first included).",
+    )
+    retry_initial_backoff: float = Field(
+        0.5, ge=0, description="Backoff multiplier: exponential with full jitter, seconds."
+    )
+    retry_max_backoff: float = Field(
+        20.0,
+        ge=0,
+        description="Longest backoff, seconds; a Retry-After is honoured up to max(this, 60).",
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="Most times a job is streamed (retryable failures after the first "
+        "byte) or started without finishing (crashed workers); then it fails.",
+    )
+    retry_after_output: bool = Field(
+        False,
+        description="Also retry a retryable failure after deltas were published, as a new "
+        "attempt that starts with a `reset` event.",
+    )
 
-    max_request_bytes: int = Field(1_048_576, ge=1024)
-    max_event_bytes: int = Field(8 * 1_048_576, ge=1024)
-    publish_max_batch: int = Field(1_000, ge=1)
+    max_request_bytes: int = Field(
+        1_048_576, ge=1024, description="Largest request body (JSON) a job may carry."
+    )
+    max_event_bytes: int = Field(
+        8 * 1_048_576, ge=1024, description="Largest single SSE event from the upstream."
+    )
+    publish_max_batch: int = Field(
+        1_000, ge=1, description="Most jobs written per publish round trip (pipeline)."
+    )
 
-    shutdown_grace_seconds: float = Field(25.0, ge=0)
-    metrics_port: int | None = Field(None, ge=0, le=65_535)
-    log_format: Literal["text", "json"] = "text"
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    shutdown_grace_seconds: float = Field(
+        25.0,
+        ge=0,
+        description="On SIGTERM, how long running jobs may finish before they are "
+        "handed back to the queue.",
+    )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65_535,
+        description="Port of the HTTP /metrics, /healthz and /readyz endpoints (unset: off; "
+        "0: a free port). With `worker --processes N`, child i serves on this port + i.",
+    )
+    metrics_host: str = Field(
+        "0.0.0.0", description="Address the metrics and health endpoints listen on."
+    )
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Log level."
+    )
 
     @model_validator(mode="after")
     def _default_upstream_not_shadowed(self) -> Settings:
