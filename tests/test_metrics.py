@@ -1,0 +1,282 @@
+"""Prometheus metrics and the health endpoints, scraped over HTTP from a running worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
+
+from tests.conftest import chat, free_port
+from worker.client import Client
+from worker.metrics import JobTiming, Metrics, MetricsServer
+from worker.mock_upstream import MockUpstream
+from worker.queue import Queue
+from worker.runner import Worker
+from worker.settings import Settings
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+@dataclass
+class Served:
+    worker: Worker
+    client: Client
+    http: httpx.AsyncClient
+    mock: MockUpstream
+
+    async def scrape(self) -> Samples:
+        response = await self.http.get("/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        return parse(response.text)
+
+    async def value(self, name: str, **labels: str) -> float | None:
+        return (await self.scrape()).get((name, tuple(sorted(labels.items()))))
+
+    async def until(self, name: str, expected: float, timeout: float = 10, **labels: str) -> None:
+        """Scrape until the sample has the expected value."""
+        deadline = time.monotonic() + timeout
+        while (value := await self.value(name, **labels)) != expected:
+            assert time.monotonic() < deadline, f"{name}{labels} = {value}, not {expected}"
+            await asyncio.sleep(0.05)
+
+
+def metric_settings(settings: Settings, url: str, **update: object) -> Settings:
+    fields: dict[str, object] = {
+        "upstream_url": url,
+        "metrics_port": 0,
+        "metrics_host": "127.0.0.1",
+        "lease_seconds": 1.5,  # the maintenance loop (queue gauges) ticks every 0.5 s
+    }
+    return settings.model_copy(update={**fields, **update})
+
+
+@pytest.fixture
+async def served(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> AsyncIterator[Served]:
+    app, url = mock_upstream
+    settings = metric_settings(settings, url)
+    worker = Worker(settings, redis)
+    await worker.startup()
+    assert worker.http is not None and worker.http.port > 0
+    consume = asyncio.create_task(worker.consume())
+    base = f"http://127.0.0.1:{worker.http.port}"
+    async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+        yield Served(worker, Client.from_settings(settings, redis), http, app)
+    worker.stopping.set()  # as runner.serve does: consume() ends even if a read eats the cancel
+    consume.cancel()
+    await asyncio.gather(consume, return_exceptions=True)
+    await worker.shutdown()
+
+
+async def test_job_metrics_move_as_jobs_finish(served: Served) -> None:
+    before = await served.scrape()
+    assert before[("chatstream_jobs_total", (("status", "succeeded"),))] == 0
+    assert before[("chatstream_jobs_in_flight", ())] == 0
+    jobs = [await served.client.enqueue(chat(f"m{i}", tokens=12)) for i in range(5)]
+    for job_id in jobs:
+        assert (await served.client.result(job_id, timeout=10)).status == "succeeded"
+    # the worker counts a job just after its terminal write and frees the slot after the ack
+    await served.until("chatstream_jobs_total", 5, status="succeeded")
+    await served.until("chatstream_jobs_in_flight", 0)
+    after = await served.scrape()
+    succeeded = (("status", "succeeded"),)
+    assert after[("chatstream_jobs_total", succeeded)] == 5
+    assert after[("chatstream_jobs_total", (("status", "failed"),))] == 0
+    assert after[("chatstream_job_duration_seconds_count", succeeded)] == 5
+    assert after[("chatstream_time_to_first_token_seconds_count", ())] == 5
+    assert after[("chatstream_deltas_per_second_count", ())] == 5
+    assert after[("chatstream_deltas_per_second_sum", ())] > 0
+    assert after[("chatstream_queue_wait_seconds_count", ())] == 5
+    # every job wrote at least one delta entry and its terminal entry
+    assert after[("chatstream_publish_batch_size_sum", ())] >= 10
+    assert after[("chatstream_publish_seconds_count", ())] >= 1
+    assert after[("chatstream_jobs_in_flight", ())] == 0
+    assert after[("chatstream_retries_total", (("stage", "upstream"),))] == 0
+    assert ("process_resident_memory_bytes", ()) in after
+
+
+async def test_in_flight_rises_during_slow_jobs_and_falls_back_to_zero(served: Served) -> None:
+    jobs = [await served.client.enqueue(chat(f"s{i}", tokens=20, rate=20)) for i in range(3)]
+    await served.until("chatstream_jobs_in_flight", 3)
+    for job_id in jobs:
+        assert (await served.client.result(job_id, timeout=10)).status == "succeeded"
+    await served.until("chatstream_jobs_in_flight", 0)
+    first = await served.scrape()
+    ttft = first[("chatstream_time_to_first_token_seconds_sum", ())]
+    assert 0 < ttft < 3
+    rate_sum = first[("chatstream_deltas_per_second_sum", ())]
+    assert 3 * 5 < rate_sum < 3 * 200  # about 20 deltas per second each
+
+
+async def test_queue_gauges_follow_the_queue(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> None:
+    settings = metric_settings(settings, mock_upstream[1])
+    worker = Worker(settings, redis)
+    await worker.startup()  # maintenance runs; nothing consumes
+    assert worker.http is not None
+    client = Client.from_settings(settings, redis)
+    base = f"http://127.0.0.1:{worker.http.port}"
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+            served = Served(worker, client, http, mock_upstream[0])
+            await served.until("chatstream_queue_depth", 0)
+            for i in range(4):
+                await client.enqueue(chat(f"q{i}"))
+            await served.until("chatstream_queue_depth", 4)
+            assert await served.value("chatstream_queue_pending") == 0
+            # another consumer takes one entry and sits on it
+            await Queue(redis, worker.keys, "elsewhere").read(1, 10)
+            await served.until("chatstream_queue_pending", 1)
+            await redis.xadd(worker.keys.dead, {"job": "x", "reason": "{}"})
+            await served.until("chatstream_dead_letters", 1)
+            assert await worker.run_burst() == 3
+            await served.until("chatstream_queue_depth", 1)  # the one held elsewhere
+    finally:
+        await worker.shutdown()
+
+
+async def test_failures_retries_and_error_codes_are_counted(
+    served: Served, settings: Settings
+) -> None:
+    client = served.client
+    flaky = chat("r", fault="http_500", fail_times=1, key="m1", retry_after=0)
+    retried = await client.enqueue(flaky)
+    bad = await client.enqueue(chat("b", fault="http_400"))
+    midstream = await client.enqueue(chat("e", tokens=6, fault="midstream_error", fault_after=2))
+    statuses = [(await client.result(j, timeout=10)).status for j in (retried, bad, midstream)]
+    assert statuses == ["succeeded", "failed", "failed"]
+    await served.until("chatstream_jobs_in_flight", 0)
+    samples = await served.scrape()
+
+    def get(name: str, **labels: str) -> float | None:
+        return samples.get((name, tuple(sorted(labels.items()))))
+
+    assert get("chatstream_jobs_total", status="succeeded") == 1
+    assert get("chatstream_jobs_total", status="failed") == 2
+    assert get("chatstream_retries_total", stage="upstream") == 1
+    assert get("chatstream_retries_total", stage="pipeline") == 0
+    assert get("chatstream_upstream_errors_total", code="upstream_retryable") == 1
+    assert get("chatstream_upstream_errors_total", code="upstream_terminal") == 1
+    assert get("chatstream_upstream_errors_total", code="upstream_stream_error") == 1
+
+
+async def test_stream_retries_after_the_first_byte_are_counted(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> None:
+    settings = settings.model_copy(
+        update={"upstream_url": mock_upstream[1], "retry_after_output": True}
+    )
+    client = Client.from_settings(settings, redis)
+    job_id = await client.enqueue(
+        chat("t", tokens=10, fault="truncate", fault_after=4, fail_times=1, key="cut")
+    )
+    worker = Worker(settings, redis)
+    await worker.startup()
+    try:
+        assert await worker.run_burst() == 1
+    finally:
+        await worker.shutdown()
+    assert (await client.get(job_id)).status == "succeeded"
+    registry = worker.metrics.registry
+    assert registry.get_sample_value("chatstream_retries_total", {"stage": "pipeline"}) == 1
+    assert registry.get_sample_value("chatstream_upstream_errors_total", {"code": "truncated"})
+
+
+async def test_reclaims_are_counted(settings: Settings, redis: Redis) -> None:
+    settings = settings.model_copy(update={"lease_seconds": 0.3})
+    client = Client.from_settings(settings, redis)
+    dead = Worker(settings, redis, name="dead")
+    await dead.queue.ensure_group()
+    await client.enqueue(chat("orphan", fault="http_400"))
+    assert len(await dead.queue.read(1, 10)) == 1  # delivered, then its worker "dies"
+    await asyncio.sleep(0.4)
+    worker = Worker(settings, redis)
+    await worker.startup()
+    try:
+        assert await worker.run_burst() == 1
+    finally:
+        await worker.shutdown()
+    assert worker.metrics.registry.get_sample_value("chatstream_reclaims_total") == 1
+    # a reclaimed entry's wait is not a queue wait
+    assert worker.metrics.registry.get_sample_value("chatstream_queue_wait_seconds_count") == 0
+
+
+async def test_health_and_readiness(served: Served) -> None:
+    health = await served.http.get("/healthz")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+    ready = await served.http.get("/readyz")
+    assert (ready.status_code, ready.json()) == (200, {"ready": True})
+    assert (await served.http.get("/nope")).status_code == 404
+    served.worker.stopping.set()
+    ready = await served.http.get("/readyz")
+    assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "shutting down"})
+
+
+async def test_not_ready_without_redis() -> None:
+    unreachable = Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", decode_responses=True)
+    server = MetricsServer(Metrics(), unreachable, asyncio.Event())
+    await server.start("127.0.0.1", 0)
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            ready = await http.get(f"http://127.0.0.1:{server.port}/readyz")
+            health = await http.get(f"http://127.0.0.1:{server.port}/healthz")
+    finally:
+        await server.stop()
+        await unreachable.aclose()
+    assert ready.status_code == 503
+    assert ready.json()["reason"].startswith("redis unreachable")
+    assert health.status_code == 200  # alive: only readiness depends on Redis
+
+
+async def test_no_server_without_a_port_and_registries_are_per_worker(
+    settings: Settings, redis: Redis
+) -> None:
+    assert settings.metrics_port is None
+    first, second = Worker(settings, redis), Worker(settings, redis)
+    await first.startup()
+    try:
+        assert first.http is None
+    finally:
+        await first.shutdown()
+    await second.upstream.aclose()
+    first.metrics.job_failed_unstarted()
+    assert first.metrics.registry.get_sample_value("chatstream_jobs_total", {"status": "failed"})
+    assert (
+        second.metrics.registry.get_sample_value("chatstream_jobs_total", {"status": "failed"}) == 0
+    )
+
+
+def test_job_timing_counts_per_job_not_per_delta() -> None:
+    metrics = Metrics()
+    timing = JobTiming(started=time.monotonic() - 2)
+    timing.saw_output()
+    assert timing.first_delta is None
+    timing.deltas = 11
+    timing.saw_output()
+    first = timing.first_delta
+    assert first is not None
+    timing.saw_output()
+    assert timing.first_delta == first
+    metrics.job_finished("succeeded", timing)
+    registry = metrics.registry
+    assert registry.get_sample_value("chatstream_jobs_total", {"status": "succeeded"}) == 1
+    ttft = registry.get_sample_value("chatstream_time_to_first_token_seconds_sum")
+    assert ttft is not None and 1.9 < ttft < 3

@@ -1,0 +1,106 @@
+"""``chatstream stats``: queue, pending per consumer, live workers, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+from tests.conftest import RedisServer, chat
+from worker.client import Client
+from worker.keys import Keys
+from worker.queue import Queue
+from worker.settings import Settings
+from worker.stats import Stats, collect, render
+
+
+async def _populate(settings: Settings, redis: Redis) -> Keys:
+    """5 jobs: 2 taken by consumer a, 1 by b, 2 waiting; 2 dead letters; 3 heartbeats."""
+    client = Client.from_settings(settings, redis)
+    keys = client.keys
+    for i in range(5):
+        await client.enqueue(chat(f"s{i}"))
+        await asyncio.sleep(0.002)
+    queue_a, queue_b = Queue(redis, keys, "a"), Queue(redis, keys, "b")
+    await queue_a.ensure_group()
+    assert len(await queue_a.read(2, 10)) == 2
+    assert len(await queue_b.read(1, 10)) == 1
+    await redis.xadd(keys.dead, {"job": "x", "reason": "{}"})
+    await redis.xadd(keys.dead, {"job": "y", "reason": "{}"})
+    now = time.time()
+    await redis.zadd(keys.workers, {"w-live-1": now, "w-live-2": now - 1, "w-gone": now - 600})
+    return keys
+
+
+async def test_stats_of_a_busy_queue(settings: Settings, redis: Redis) -> None:
+    keys = await _populate(settings, redis)
+    await asyncio.sleep(0.05)
+    stats = await collect(redis, keys, live_window=30)
+    assert stats.queue_length == 5
+    assert (stats.waiting, stats.pending) == (2, 3)
+    assert stats.pending_by_consumer == {"a": 2, "b": 1}
+    assert stats.dead_letters == 2
+    assert stats.live_workers == ["w-live-1", "w-live-2"]
+    assert stats.stale_workers == ["w-gone"]
+    # the oldest waiting job is the 4th enqueued, not the 1st (that one was delivered)
+    rows: Any = await redis.xrange(keys.queue, count=5)
+    fourth_ms = int(rows[3][0].split("-")[0])
+    seconds, micros = await redis.time()
+    expected = seconds + micros / 1e6 - fourth_ms / 1000
+    assert stats.oldest_waiting_seconds is not None
+    assert abs(stats.oldest_waiting_seconds - expected) < 0.5
+    table = render(stats)
+    assert "5 entries: 2 waiting, 3 pending" in table
+    assert "2 live, 1 stale" in table
+    assert "dead letters  2" in table
+    assert json.loads(json.dumps(stats.to_json()))["pending_by_consumer"] == {"a": 2, "b": 1}
+
+
+async def test_stats_before_any_worker_ran(settings: Settings, redis: Redis) -> None:
+    keys = Keys(settings.prefix)
+    empty = await collect(redis, keys, live_window=30)
+    assert empty == Stats(0, 0, 0, {}, None, 0, [], [])
+    assert "oldest wait   -" in render(empty)
+    await Client.from_settings(settings, redis).enqueue(chat("first"))  # no group yet
+    queued = await collect(redis, keys, live_window=30)
+    assert (queued.queue_length, queued.waiting, queued.pending) == (1, 1, 0)
+    assert queued.oldest_waiting_seconds is not None and queued.oldest_waiting_seconds < 5
+
+
+async def test_stats_command_prints_json_and_a_table(
+    settings: Settings, redis: Redis, redis_server: RedisServer | None, tmp_path: Path
+) -> None:
+    if redis_server is None:
+        return  # the command runs in a subprocess: it needs a real server
+    await _populate(settings, redis)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
+    env |= {"CHATSTREAM_REDIS_URL": redis_server.url, "CHATSTREAM_PREFIX": settings.prefix}
+    outputs = []
+    for extra in (["--json"], []):
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "stats",
+            *extra,
+            env=env,
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 30)
+        assert process.returncode == 0, err.decode()
+        outputs.append(out.decode())
+    data = json.loads(outputs[0])
+    assert data["queue_length"] == 5
+    assert data["pending_by_consumer"] == {"a": 2, "b": 1}
+    assert data["dead_letters"] == 2
+    assert data["live_workers"] == ["w-live-1", "w-live-2"]
+    assert data["oldest_waiting_seconds"] >= 0
+    assert "5 entries: 2 waiting, 3 pending" in outputs[1]

@@ -1,0 +1,73 @@
+"""uvicorn embedded in a running event loop (the worker's metrics and health server).
+
+A module of its own so that importing uvicorn costs a worker's start-up only when the
+endpoints are switched on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn in the worker's loop: leaves the process's signals alone, stops on request."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = asyncio.Event()
+        self.stop_requested = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def main_loop(self) -> None:
+        self.ready.set()
+        while not self.stop_requested.is_set():
+            await self.on_tick(0)  # refreshes the Date header
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_requested.wait(), 1.0)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        for _ in range(100):  # up to 0.5 s for responses in progress
+            if not (self.server_state.connections or self.server_state.tasks):
+                break
+            await asyncio.sleep(0.005)
+        for task in self.server_state.tasks:
+            task.cancel()
+        for server in self.servers:
+            await server.wait_closed()
+
+    async def start(self, sock: socket.socket) -> asyncio.Task[None]:
+        task = asyncio.create_task(self.serve(sockets=[sock]), name="chatstream-metrics-http")
+        ready = asyncio.create_task(self.ready.wait())
+        await asyncio.wait((task, ready), return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            await task  # raises the start-up error
+            raise RuntimeError("the metrics server did not start")
+        return task
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket made with IPPROTO_TCP, so asyncio sets TCP_NODELAY on accepted ones
+    (``socket.create_server`` leaves it off: 40 ms Nagle stalls)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

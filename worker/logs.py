@@ -1,0 +1,174 @@
+"""Logging: human-readable lines by default, JSON lines with ``CHATSTREAM_LOG_FORMAT=json``.
+
+Every line logged while a job is handled carries the job id and attempt (and the worker
+name): the runner binds them to context variables in the job's own asyncio task, and
+:class:`ContextFilter` copies them onto each record. :class:`RedactFilter` masks the
+secrets the settings know (API keys, the Redis password) should one ever reach a message
+or a traceback. Both filters sit on the handler, so they cover third-party loggers too.
+
+JSON lines have ``ts``, ``level``, ``logger``, ``message``, then ``worker``, ``job``,
+``attempt`` when known and ``exc`` (the formatted traceback) when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from typing import IO
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from worker.settings import Settings
+
+MASK = "***"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CONTEXT_FIELDS = ("worker", "job", "attempt")
+
+_worker: ContextVar[str | None] = ContextVar("chatstream_worker", default=None)
+_job: ContextVar[str | None] = ContextVar("chatstream_job", default=None)
+_attempt: ContextVar[int | None] = ContextVar("chatstream_attempt", default=None)
+
+
+def bind(*, worker: str | None = None, job: str | None = None) -> None:
+    """Tag the current context (an asyncio task: a job's, or a background one)."""
+    if worker is not None:
+        _worker.set(worker)
+    if job is not None:
+        _job.set(job)
+        _attempt.set(None)
+
+
+def set_attempt(attempt: int) -> None:
+    _attempt.set(attempt)
+
+
+def context() -> dict[str, str | int]:
+    """The bound worker / job / attempt, only those that are known."""
+    values = {"worker": _worker.get(), "job": _job.get(), "attempt": _attempt.get()}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+class ContextFilter(logging.Filter):
+    """Copies the bound worker / job / attempt onto every record (None when unknown)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = _worker.get()
+        record.job = _job.get()
+        record.attempt = _attempt.get()
+        return True
+
+
+class RedactFilter(logging.Filter):
+    """Replaces every configured secret in the message and traceback text with ``***``."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        # longest first, so a secret containing another one is masked whole
+        self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+
+    def redact(self, text: str) -> str:
+        for secret in self.secrets:
+            if secret in text:
+                text = text.replace(secret, MASK)
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.secrets:
+            return True
+        try:
+            message = record.getMessage()
+        except Exception:  # bad arguments: the handler reports that when it formats
+            return True
+        redacted = self.redact(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        return True
+
+
+def secrets_of(settings: Settings) -> list[str]:
+    """Every secret value the settings hold: API keys, upstream headers, Redis password."""
+    found: list[str] = []
+    if settings.upstream_api_key is not None:
+        found.append(settings.upstream_api_key.get_secret_value())
+    for upstream in settings.upstreams.values():
+        if upstream.api_key is not None:
+            found.append(upstream.api_key.get_secret_value())
+        found.extend(
+            value.partition(" ")[2] or value
+            for name, value in upstream.headers.items()
+            if name.lower() in {"authorization", "x-api-key", "api-key"}
+        )
+    url = urlsplit(settings.redis_url)
+    passwords = [url.password or ""]
+    passwords += [v for k, v in parse_qsl(url.query) if k.lower() in {"password", "ssl_password"}]
+    for password in filter(None, passwords):
+        found += [password, unquote(password)]
+    return found
+
+
+class TextFormatter(logging.Formatter):
+    """``2024-01-01 12:00:00,000 INFO chatstream.worker: message [job=… attempt=2]``."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        tags = " ".join(
+            f"{name}={value}"
+            for name in ("job", "attempt")
+            if (value := getattr(record, name, None)) is not None
+        )
+        return f"{line} [{tags}]" if tags else line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, object] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name in CONTEXT_FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                line[name] = value
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            line["exc"] = record.exc_text
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(line, ensure_ascii=False, default=str)
+
+
+def build_handler(settings: Settings, stream: IO[str] | None = None) -> logging.Handler:
+    """A stream handler with the configured format, the context and the redaction filters."""
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
+    handler.addFilter(ContextFilter())
+    handler.addFilter(RedactFilter(secrets_of(settings)))
+    return handler
+
+
+def configure(settings: Settings, stream: IO[str] | None = None) -> logging.Handler:
+    """Install the chatstream handler on the root logger (replacing an earlier one)."""
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "chatstream", False)]:
+        root.removeHandler(old)
+    handler = build_handler(settings, stream)
+    handler.chatstream = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(settings.log_level)
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return handler

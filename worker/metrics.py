@@ -1,0 +1,336 @@
+"""Prometheus metrics and the health endpoints: one small HTTP server per worker process.
+
+    GET /metrics   the worker's registry (Prometheus text, or OpenMetrics when asked)
+    GET /healthz   200 while the process's event loop answers
+    GET /readyz    200 when Redis answers PING, the event loop is not lagging and the worker
+                   is not shutting down; else 503 with {"ready": false, "reason": ...}
+
+Served by uvicorn inside the worker's event loop on ``settings.metrics_port`` (``None``:
+off, ``0``: a free port). Each :class:`Worker` has its own ``CollectorRegistry``, so
+several workers in one process never clash.
+
+Hot-path cost: observations are per job (at its end), per publish batch, per retry and
+per queue read, never per delta (the pipeline only counts deltas in :class:`JobTiming`).
+The queue gauges are read by the maintenance loop in one pipelined round trip and served
+from memory; in-flight is read from the runner at scrape time.
+
+Metrics (all prefixed ``chatstream_``): ``jobs_total{status}``, ``jobs_in_flight``,
+``queue_depth``, ``queue_pending``, ``dead_letters``, ``queue_wait_seconds``,
+``time_to_first_token_seconds``, ``deltas_per_second``, ``job_duration_seconds{status}``,
+``retries_total{stage}``, ``reclaims_total``, ``upstream_errors_total{code}``,
+``publish_seconds``, ``publish_batch_size``, ``event_loop_lag_seconds``; plus the
+standard ``process_*`` metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    make_asgi_app,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from schemas.jobs import TERMINAL
+from worker.errors import ChatstreamError, ProtocolError, UpstreamError
+from worker.keys import Keys
+from worker.stats import QueueCounts, queue_counts
+
+if TYPE_CHECKING:
+    from worker.embedded_server import EmbeddedServer
+
+log = logging.getLogger("chatstream.metrics")
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+LAG_INTERVAL = 0.5  # seconds between event-loop lag samples
+MAX_LAG = 1.0  # a loop that lagged longer than this is not ready
+PING_TIMEOUT = 1.0
+
+QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+FIRST_TOKEN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 500, 1000, 5000)
+PUBLISH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+@dataclass(slots=True)
+class JobTiming:
+    """One job's clock (monotonic seconds), filled by the pipeline at no per-delta cost."""
+
+    started: float = field(default_factory=time.monotonic)
+    first_delta: float | None = None
+    deltas: int = 0
+
+    def saw_output(self) -> None:
+        """Called once per upstream read: stamps the first delta's arrival."""
+        if self.first_delta is None and self.deltas:
+            self.first_delta = time.monotonic()
+
+
+class QueueGauges:
+    """A collector serving the last queue counts the maintenance loop read."""
+
+    def __init__(self) -> None:
+        self.counts: QueueCounts | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(QueueCounts(0, 0, 0))
+
+    def collect(self) -> Iterable[Metric]:
+        return [] if self.counts is None else self._families(self.counts)
+
+    @staticmethod
+    def _families(counts: QueueCounts) -> list[Metric]:
+        return [
+            GaugeMetricFamily(
+                "chatstream_queue_depth",
+                "Entries in the queue stream: waiting plus delivered and not acked",
+                value=counts.length,
+            ),
+            GaugeMetricFamily(
+                "chatstream_queue_pending",
+                "Queue entries delivered to a worker and not acked yet",
+                value=counts.pending,
+            ),
+            GaugeMetricFamily(
+                "chatstream_dead_letters", "Entries in the dead-letter stream", value=counts.dead
+            ),
+        ]
+
+
+class Metrics:
+    """The worker's metrics, in a registry of its own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.jobs = Counter(
+            "chatstream_jobs", "Jobs that reached a final status", ["status"], registry=r
+        )
+        for status in sorted(TERMINAL):
+            self.jobs.labels(status.value)
+        self.in_flight = Gauge("chatstream_jobs_in_flight", "Jobs this worker runs", registry=r)
+        self.queue_wait = Histogram(
+            "chatstream_queue_wait_seconds",
+            "From the queue entry's creation to its delivery to a worker",
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.first_token = Histogram(
+            "chatstream_time_to_first_token_seconds",
+            "From the attempt's start to its first delta",
+            buckets=FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.delta_rate = Histogram(
+            "chatstream_deltas_per_second",
+            "Per job: deltas (tokens) per second after the first one",
+            buckets=RATE_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "chatstream_job_duration_seconds",
+            "From the attempt's start to its terminal write, by final status",
+            ["status"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self._init_counters(r)
+        self.queue = QueueGauges()
+        r.register(self.queue)
+        ProcessCollector(registry=r)
+
+    def _init_counters(self, r: CollectorRegistry) -> None:
+        self.retries = Counter(
+            "chatstream_retries",
+            "Upstream retries: before the first byte (upstream) or of the whole stream",
+            ["stage"],
+            registry=r,
+        )
+        for stage in ("upstream", "pipeline"):
+            self.retries.labels(stage)
+        self.reclaims = Counter(
+            "chatstream_reclaims", "Queue entries taken over from dead workers", registry=r
+        )
+        self.upstream_errors = Counter(
+            "chatstream_upstream_errors", "Upstream failures, by error code", ["code"], registry=r
+        )
+        self.publish_seconds = Histogram(
+            "chatstream_publish_seconds",
+            "Round trip of one pipelined publish batch",
+            buckets=PUBLISH_BUCKETS,
+            registry=r,
+        )
+        self.publish_batch = Histogram(
+            "chatstream_publish_batch_size",
+            "Writes (delta entries and terminal writes) in one publish batch",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Gauge(
+            "chatstream_event_loop_lag_seconds",
+            "How late the event loop woke up in the last sample",
+            registry=r,
+        )
+
+    # -- observations ------------------------------------------------------------------
+
+    def job_finished(self, status: str, timing: JobTiming) -> None:
+        now = time.monotonic()
+        self.jobs.labels(status).inc()
+        self.duration.labels(status).observe(now - timing.started)
+        first = timing.first_delta
+        if first is not None:
+            self.first_token.observe(first - timing.started)
+            if timing.deltas > 1 and now > first:
+                self.delta_rate.observe((timing.deltas - 1) / (now - first))
+
+    def job_failed_unstarted(self) -> None:
+        """A job the runner failed without running it (attempts exhausted)."""
+        self.jobs.labels("failed").inc()
+
+    def delivered(self, entry_ids: Iterable[str]) -> None:
+        """Queue wait of freshly read entries (their stream ids are Redis milliseconds)."""
+        now = time.time()
+        for entry_id in entry_ids:
+            millis = entry_id.partition("-")[0]
+            if millis.isdigit():
+                self.queue_wait.observe(max(now - int(millis) / 1000, 0.0))
+
+    def reclaimed(self, count: int) -> None:
+        if count:
+            self.reclaims.inc(count)
+
+    def upstream_error(self, exc: BaseException) -> None:
+        """A failure that ended a try of the stream (after the upstream client's retries)."""
+        if isinstance(exc, UpstreamError | ProtocolError):
+            self.upstream_errors.labels(exc.code).inc()
+
+    def upstream_error_code(self, code: str) -> None:
+        self.upstream_errors.labels(code).inc()
+
+    def on_upstream_retry(self, exc: BaseException, wait: float) -> None:
+        """``UpstreamClient(on_retry=...)``: a retry before the first byte."""
+        self.retries.labels("upstream").inc()
+        code = exc.code if isinstance(exc, ChatstreamError) else type(exc).__name__
+        self.upstream_errors.labels(code).inc()
+
+    def pipeline_retry(self) -> None:
+        self.retries.labels("pipeline").inc()
+
+    def on_batch(self, size: int, seconds: float) -> None:
+        """``Publisher(on_batch=...)``: one pipelined round trip."""
+        self.publish_batch.observe(size)
+        self.publish_seconds.observe(seconds)
+
+    async def refresh_queue(self, redis: Redis, keys: Keys) -> None:
+        self.queue.counts = await queue_counts(redis, keys)
+
+
+# -- the HTTP server ----------------------------------------------------------------------
+
+
+class MetricsServer:
+    """``/metrics``, ``/healthz`` and ``/readyz`` for one worker (an ASGI app and its server)."""
+
+    def __init__(self, metrics: Metrics, redis: Redis, stopping: asyncio.Event) -> None:
+        self.metrics = metrics
+        self.redis = redis
+        self.stopping = stopping
+        self.lag = 0.0
+        self.port = 0
+        self._metrics_app = make_asgi_app(metrics.registry)
+        self._server: EmbeddedServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._socket: socket.socket | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        import uvicorn
+
+        from worker.embedded_server import EmbeddedServer, bind
+
+        sock = bind(host, port)
+        config = uvicorn.Config(
+            self, log_config=None, log_level="warning", access_log=False, lifespan="off"
+        )
+        server = EmbeddedServer(config)
+        try:
+            serving = await server.start(sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._server, self._socket = server, sock
+        self.port = sock.getsockname()[1]
+        self._tasks = [serving, asyncio.create_task(self._watch_loop(), name="chatstream-lag")]
+        log.info("metrics and health on http://%s:%d/metrics", host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.stop_requested.set()
+        self._tasks[1].cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close()
+        self._server = None
+
+    async def _watch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            await asyncio.sleep(LAG_INTERVAL)
+            self.lag = max(loop.time() - began - LAG_INTERVAL, 0.0)
+            self.metrics.loop_lag.set(self.lag)
+
+    async def not_ready(self) -> str | None:
+        """Why the worker should get no traffic now, or None when it is ready."""
+        if self.stopping.is_set():
+            return "shutting down"
+        if self.lag > MAX_LAG:
+            return f"event loop lagging ({self.lag:.2f}s)"
+        try:
+            async with asyncio.timeout(PING_TIMEOUT):
+                await self.redis.ping()
+        except (RedisError, OSError, TimeoutError) as exc:
+            return f"redis unreachable: {type(exc).__name__}: {str(exc)[:200]}"
+        return None
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/metrics":
+            await self._metrics_app(scope, receive, send)
+        elif path == "/healthz":
+            await _send_json(send, 200, {"status": "ok", "loop_lag_seconds": self.lag})
+        elif path == "/readyz":
+            reason = await self.not_ready()
+            body = {"ready": True} if reason is None else {"ready": False, "reason": reason}
+            await _send_json(send, 200 if reason is None else 503, body)
+        else:
+            await _send_json(send, 404, {"error": f"no route {path}"})
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
