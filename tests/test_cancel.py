@@ -1,0 +1,198 @@
+"""Cancellation: queued jobs never start, running jobs close their upstream at once.
+
+``client.cancel`` (and ``chatstream cancel``) marks the record and publishes on
+``<prefix>:cancel``; the worker running the job cancels its task, which closes the
+upstream response, and writes ``cancelled`` with the output so far. A cancel flag on the
+record is the fallback when the pub/sub message is lost (polled with the leases).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from schemas.events import EventType, StreamEvent
+from tests.conftest import Harness, chat
+from tests.test_faults import custom_harness
+from worker.client import SyncClient
+from worker.errors import JobNotFoundError
+from worker.keys import GROUP
+from worker.mock_upstream import expected_reply
+
+SLOW = {"tokens": 400, "rate": 20.0}  # a 20 s reply: only a cancel ends it in time
+CLOSE_WITHIN = 0.25
+
+
+async def first_delta(h: Harness, job_id: str) -> None:
+    async for event in h.client.events(job_id, block_ms=100):
+        if event.type is EventType.DELTA:
+            return
+
+
+async def start_slow_job(h: Harness) -> tuple[str, asyncio.Task[int]]:
+    """A slow job running in a worker burst, once its first delta was published."""
+    job_id = await h.client.enqueue(chat("slow", **SLOW))
+    burst = asyncio.create_task(h.worker.run_burst())
+    async with asyncio.timeout(5):
+        await first_delta(h, job_id)
+    await asyncio.sleep(0.2)  # a few more tokens
+    return job_id, burst
+
+
+async def assert_cancelled_with_partial_output(h: Harness, job_id: str) -> list[StreamEvent]:
+    record = await h.client.get(job_id)
+    events = await h.events(job_id)
+    assert record.status == "cancelled"
+    assert record.error is None
+    assert events[-1].type is EventType.CANCELLED
+    assert [e.type for e in events[:-1]] == [EventType.DELTA] * (len(events) - 1)
+    published = "".join(e.data.get("content", "") for e in events[:-1])
+    full = expected_reply(chat("slow", **SLOW), h.mock.config)
+    assert record.content.startswith("tok0 tok1")
+    assert record.content == published  # the record keeps exactly what was streamed
+    assert len(record.content) < len(full)
+    return events
+
+
+async def queue_is_empty(h: Harness) -> bool:
+    pending = await h.redis.xpending(h.worker.keys.queue, GROUP)
+    return int(pending["pending"]) == 0 and await h.redis.xlen(h.worker.keys.queue) == 0
+
+
+async def test_a_cancelled_queued_job_never_starts(harness: Harness) -> None:
+    job_id = await harness.client.enqueue(chat("never"))
+    assert await harness.client.cancel(job_id) == "cancelled"
+    await harness.worker.run_burst()
+    record = await harness.client.get(job_id)
+    assert record.status == "cancelled"
+    assert record.started_at is None
+    assert record.attempt == 0
+    assert sum(harness.mock.requests.values()) == 0
+    assert [e.type for e in await harness.events(job_id)] == [EventType.CANCELLED]
+    assert await queue_is_empty(harness)
+
+
+async def test_cancel_closes_the_upstream_connection_within_250ms(harness: Harness) -> None:
+    job_id, burst = await start_slow_job(harness)
+    began = time.monotonic()
+    assert await harness.client.cancel(job_id) == "requested"
+    async with asyncio.timeout(2):
+        await harness.mock.disconnected.wait()
+    closed_after = harness.mock.disconnects[-1][1] - began
+    assert closed_after < CLOSE_WITHIN, f"upstream closed {closed_after * 1000:.0f} ms after cancel"
+    assert await burst == 1
+    await assert_cancelled_with_partial_output(harness, job_id)
+    assert await queue_is_empty(harness)
+    assert harness.mock.open_streams == 0
+
+
+async def test_the_worker_goes_on_after_a_cancel(harness: Harness) -> None:
+    job_id, burst = await start_slow_job(harness)
+    await harness.client.cancel(job_id)
+    await burst
+    request = chat("next", tokens=5)
+    record = await harness.run(request)
+    assert record.status == "succeeded"
+    assert record.content == expected_reply(request, harness.mock.config)
+
+
+async def test_cancel_flag_is_polled_when_the_pubsub_message_is_lost(harness: Harness) -> None:
+    # lease 0.6 s: the maintenance loop (leases, cancel flags) runs every 0.2 s
+    async with custom_harness(harness, lease_seconds=0.6) as h:
+        job_id, burst = await start_slow_job(h)
+        # what client.cancel does, minus the PUBLISH: as if the message was lost
+        assert await h.client.records.cancel(job_id) == "requested"
+        async with asyncio.timeout(2):
+            await h.mock.disconnected.wait()
+        await burst
+        await assert_cancelled_with_partial_output(h, job_id)
+
+
+async def test_cancel_of_a_finished_job_returns_its_status_unchanged(harness: Harness) -> None:
+    record = await harness.run(chat("done"))
+    events = await harness.events(record.id)
+    assert await harness.client.cancel(record.id) == "succeeded"
+    after = await harness.client.get(record.id)
+    assert after.status == "succeeded"
+    assert after.content == record.content
+    assert not after.cancel_requested
+    assert await harness.events(record.id) == events
+
+
+async def test_cancel_of_a_failed_job_returns_failed(harness: Harness) -> None:
+    record = await harness.run(chat("bad", fault="http_400"))
+    assert await harness.client.cancel(record.id) == "failed"
+    assert (await harness.client.get(record.id)).status == "failed"
+
+
+async def test_cancel_twice_is_harmless(harness: Harness) -> None:
+    job_id = await harness.client.enqueue(chat("twice"))
+    assert await harness.client.cancel(job_id) == "cancelled"
+    assert await harness.client.cancel(job_id) == "cancelled"
+    assert [e.type for e in await harness.events(job_id)] == [EventType.CANCELLED]
+
+
+async def test_cancel_of_an_unknown_job_raises_job_not_found(harness: Harness) -> None:
+    with pytest.raises(JobNotFoundError, match="no job 'nope'"):
+        await harness.client.cancel("nope")
+
+
+async def test_sync_client_cancels_a_queued_job(harness: Harness) -> None:
+    job_id = await harness.client.enqueue(chat("sync"))
+
+    def cancel() -> str:
+        with SyncClient(harness.settings) as client:
+            return str(client.cancel(job_id))
+
+    assert await asyncio.to_thread(cancel) == "cancelled"
+    assert (await harness.client.get(job_id)).status == "cancelled"
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+
+
+async def cli(h: Harness, tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    """Run ``chatstream ARGS`` in a subprocess against the test's Redis and prefix."""
+    env = {
+        **os.environ,
+        "CHATSTREAM_REDIS_URL": h.settings.redis_url,
+        "CHATSTREAM_PREFIX": h.settings.prefix,
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import sys; from worker.cli import main; main(sys.argv[1:])",
+        *args,
+        cwd=tmp_path,  # no stray .env
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_cli_cancels_a_running_job(harness: Harness, tmp_path: Path) -> None:
+    job_id, burst = await start_slow_job(harness)
+    code, out, err = await cli(harness, tmp_path, "cancel", job_id)
+    assert (code, out.strip(), err) == (0, "requested", "")
+    await burst
+    await assert_cancelled_with_partial_output(harness, job_id)
+
+
+async def test_cli_cancel_of_a_queued_job_and_an_unknown_job(
+    harness: Harness, tmp_path: Path
+) -> None:
+    job_id = await harness.client.enqueue(chat("queued"))
+    code, out, _ = await cli(harness, tmp_path, "cancel", job_id)
+    assert (code, out.strip()) == (0, "cancelled")
+    code, out, err = await cli(harness, tmp_path, "cancel", "nope")
+    assert code == 1
+    assert out == ""
+    assert err.strip() == "chatstream: error: no job 'nope' (never enqueued, or expired)"
