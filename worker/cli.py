@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
+from worker import logs
 from worker.client import Client
 from worker.errors import ChatstreamError
 from worker.settings import Settings, load_settings
@@ -34,7 +35,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         settings = load_settings()
         redis_url = settings.redis_url
-        configure_logging(settings)
+        logs.configure(settings)
         command: Command = args.command
         return asyncio.run(command(settings, args))
     except ChatstreamError as exc:
@@ -54,23 +55,28 @@ def fail(message: str) -> int:
     return 1
 
 
+SECRET_QUERY_PARAMS = frozenset({"password", "ssl_password"})
+
+
 def redacted_url(url: str) -> str:
-    """The Redis URL without its password."""
+    """The Redis URL without its passwords (in the user info or the query string)."""
     scheme, sep, rest = url.partition("://")
-    auth, at, host = rest.rpartition("@")
-    if not at:
-        return url
-    user = auth.split(":", 1)[0]
-    return f"{scheme}{sep}{user}{':***' if ':' in auth else ''}@{host}"
+    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
+    netloc, tail = rest[: min(ends, default=len(rest))], rest[min(ends, default=len(rest)) :]
+    auth, at, host = netloc.rpartition("@")  # like urllib: the last "@" ends the user info
+    if at:
+        user = auth.split(":", 1)[0]
+        netloc = f"{user}{':***' if ':' in auth else ''}@{host}"
+    path, question, query = tail.partition("?")
+    if question:
+        params = [_redacted_param(param) for param in query.split("&")]
+        tail = f"{path}?{'&'.join(params)}"
+    return f"{scheme}{sep}{netloc}{tail}"
 
 
-def configure_logging(settings: Settings) -> None:
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _redacted_param(param: str) -> str:
+    name, eq, _ = param.partition("=")
+    return f"{name}=***" if eq and name.lower() in SECRET_QUERY_PARAMS else param
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -89,10 +95,19 @@ async def connected(settings: Settings) -> AsyncIterator[Client]:
 async def worker_command(settings: Settings, args: argparse.Namespace) -> int:
     from worker.runner import serve
 
+    if args.processes:
+        from worker.supervisor import supervise
+
+        return await supervise(settings, args.processes, concurrency=args.concurrency)
     if args.concurrency:
         settings = settings.model_copy(update={"concurrency": args.concurrency})
+    from worker.supervisor import watch_parent
+
+    watch = watch_parent()  # under a supervisor: stop gracefully should it die
     async with connected(settings) as client:
         await serve(settings, client.redis)
+    if watch is not None:
+        watch.cancel()
     return 0
 
 
@@ -101,7 +116,7 @@ async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
     messages.append({"role": "user", "content": args.message})
     request: dict[str, Any] = {"model": args.model, "messages": messages}
     if args.mock:
-        request["mock"] = json.loads(args.mock)
+        request["mock"] = args.mock
     async with connected(settings) as client:
         job_id = await client.enqueue(request, job_id=args.job_id, upstream=args.upstream)
         if not (args.follow or args.wait) or not args.json:
@@ -136,6 +151,30 @@ async def status_command(settings: Settings, args: argparse.Namespace) -> int:
 async def cancel_command(settings: Settings, args: argparse.Namespace) -> int:
     async with connected(settings) as client:
         print(await client.cancel(args.job))
+    return 0
+
+
+async def dead_command(settings: Settings, args: argparse.Namespace) -> int:
+    async with connected(settings) as client:
+        if args.requeue:
+            print(await client.requeue(args.requeue))
+            return 0
+        for letter in await client.dead_letters(args.limit):
+            if args.json:
+                line = {"id": letter.entry_id, "job": letter.job_id, "reason": letter.reason}
+                print(json.dumps(line, ensure_ascii=False), flush=True)
+            else:
+                code = letter.reason.get("code", "")
+                print(f"{letter.entry_id}  {letter.job_id}  {code}", flush=True)
+    return 0
+
+
+async def stats_command(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.stats import collect, render
+
+    async with connected(settings) as client:
+        stats = await collect(client.redis, client.keys, live_window=settings.lease_seconds)
+    print(json.dumps(stats.to_json()) if args.json else render(stats), flush=True)
     return 0
 
 
@@ -208,13 +247,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_enqueue(sub)
     _add_job_commands(sub)
+    _add_stats(sub)
+    _add_dead(sub)
     _add_mock_and_demo(sub)
     return parser
 
 
+def _add_dead(sub: Any) -> None:
+    p = sub.add_parser("dead", help="list dead-lettered jobs, or requeue one")
+    p.add_argument("--requeue", metavar="JOB", help="run this failed job again (fresh budget)")
+    p.add_argument("--limit", type=positive_int, default=1000, help="list at most this many")
+    p.add_argument("--json", action="store_true", help="JSON lines")
+    p.set_defaults(command=dead_command)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def _add_worker(sub: Any) -> None:
     p = sub.add_parser("worker", help="run a worker process")
-    p.add_argument("--concurrency", type=int, default=0, help="jobs in flight (default: settings)")
+    p.add_argument(
+        "--concurrency", type=positive_int, default=0, help="jobs in flight (default: settings)"
+    )
+    p.add_argument(
+        "--processes",
+        type=positive_int,
+        default=0,
+        help="run N worker processes under a supervisor that restarts crashed ones",
+    )
     p.set_defaults(command=worker_command)
 
 
@@ -225,7 +289,7 @@ def _add_enqueue(sub: Any) -> None:
     p.add_argument("--system", help="an optional system message")
     p.add_argument("--upstream", default="default", help="a configured upstream name")
     p.add_argument("--job-id", help="client-chosen id (makes enqueue idempotent)")
-    p.add_argument("--mock", help=argparse.SUPPRESS)
+    p.add_argument("--mock", type=json.loads, help=argparse.SUPPRESS)
     p.add_argument("--follow", action="store_true", help="print tokens live")
     p.add_argument("--wait", action="store_true", help="wait for the final record")
     p.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
@@ -248,6 +312,12 @@ def _add_job_commands(sub: Any) -> None:
     p.set_defaults(command=cancel_command)
 
 
+def _add_stats(sub: Any) -> None:
+    p = sub.add_parser("stats", help="queue length, pending, live workers, dead letters")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(command=stats_command)
+
+
 def _add_mock_and_demo(sub: Any) -> None:
     p = sub.add_parser("mock-upstream", help="serve a fake OpenAI-compatible streaming API")
     p.add_argument("--host", default="127.0.0.1")
@@ -260,3 +330,7 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rate", type=float, default=40.0)
     p.set_defaults(command=demo_command)
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ loop with its own connection).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -16,17 +17,23 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import EqualJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.events import StreamEvent
-from schemas.jobs import JobRecord, JobStatus
+from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import ChatRequest, JobSpec
 from worker.errors import InvalidJobError, JobNotFoundError
 from worker.keys import Keys
-from worker.queue import Queue
+from worker.queue import DeadLetter, Queue
 from worker.records import Records, as_text, dumps
 from worker.settings import Settings
 
-READ_BLOCK_MS = 5_000
+# below redis-py's default 5 s socket timeout, so an application's own client works as is
+READ_BLOCK_MS = 2_000
+REDIS_RETRIES = 10
 
 
 class Client:
@@ -99,20 +106,27 @@ class Client:
         raw = await self.records.fetch(job_id)
         if not raw:
             raise JobNotFoundError(f"no job {job_id!r} (never enqueued, or expired)")
-        return JobRecord.from_hash(raw)
+        return JobRecord.from_hash(_readable(raw))
 
     async def events(
         self, job_id: str, after: str = "0-0", block_ms: int = READ_BLOCK_MS
     ) -> AsyncIterator[StreamEvent]:
-        """The job's events from ``after`` on, live, ending after the terminal event."""
-        await self.get(job_id)
+        """The job's events from ``after`` on, live, ending after the terminal event.
+
+        Also ends when nothing follows ``after`` and the job already ended (a cursor at or
+        past the terminal entry) or its record expired.
+        """
+        record = await self.get(job_id)
         key = self.keys.events(job_id)
         cursor = after
+        block: int | None = None if record.terminal else block_ms
         while True:
-            reply: Any = await self.redis.xread({key: cursor}, count=1000, block=block_ms)
+            reply: Any = await self.redis.xread({key: cursor}, count=1000, block=block)
             if not reply:
-                if await self._vanished(job_id):
+                if block is None:
                     return
+                if await self._ended(job_id):
+                    block = None  # read once more: the terminal entry may have just come
                 continue
             for entry_id, fields in reply[0][1]:
                 cursor = as_text(entry_id)
@@ -123,8 +137,10 @@ class Client:
                 if event.terminal:
                     return
 
-    async def _vanished(self, job_id: str) -> bool:
-        return not await self.redis.exists(self.keys.job(job_id))
+    async def _ended(self, job_id: str) -> bool:
+        """The record is terminal (its terminal entry is written with it) or gone."""
+        status = await self.redis.hget(self.keys.job(job_id), "status")
+        return status is None or as_text(status) in {s.value for s in TERMINAL}
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobRecord:
         """Wait for the terminal state and return the record (TimeoutError after ``timeout``)."""
@@ -150,8 +166,41 @@ class Client:
             await self.redis.publish(self.keys.cancel_channel, job_id)
         return state
 
+    async def dead_letters(self, count: int = 1000) -> list[DeadLetter]:
+        """The jobs that exhausted their attempts, oldest first."""
+        return await self.queue.dead_letters(count)
+
+    async def requeue(self, job_id: str) -> str:
+        """Run a failed (dead-lettered) job again, with a fresh attempt budget.
+
+        Returns ``requeued``; raises JobNotFoundError, or InvalidJobError when the job is
+        not failed. Its old events stream is deleted (the new run starts with ``reset``).
+        Safe to repeat after a crash: a job left queued without a queue entry gets one.
+        """
+        state = await self.records.requeue(job_id)
+        if state == "missing":
+            raise JobNotFoundError(f"no job {job_id!r} (never enqueued, or expired)")
+        if state not in ("requeued", "unqueued"):
+            raise InvalidJobError(f"job {job_id!r} is {state}; only failed jobs are requeued")
+        entry_id = await self.queue.add(job_id)
+        await self.records.mark_queued(job_id, entry_id)
+        await self.queue.forget_dead(job_id)
+        return "requeued"
+
     async def aclose(self) -> None:
         await self.redis.aclose()
+
+
+def _readable(raw: dict[str, str]) -> dict[str, str]:
+    """The hash minus a stored request that is not a JSON object (a job written by other
+    means than ``enqueue``, failed as invalid): the rest of its record stays readable."""
+    try:
+        request = json.loads(raw.get("request") or "{}")
+    except (ValueError, RecursionError):  # RecursionError: hostile nesting ("[" * 10**5)
+        request = None
+    if isinstance(request, dict):
+        return raw
+    return {name: value for name, value in raw.items() if name != "request"}
 
 
 def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
@@ -167,7 +216,27 @@ def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
 
 
 def redis_from_settings(settings: Settings) -> Redis:
-    return Redis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+    """The Redis client workers and clients use; ``rediss://`` options go in the URL query.
+
+    ``encoding_errors="replace"``: bytes that are not UTF-8 (garbage written to a queue
+    entry or record by someone else) decode to U+FFFD instead of raising in the middle of
+    a reply, so a worker reading them drops or fails that job and goes on.
+
+    Connection errors and timeouts are retried with jittered exponential backoff (about
+    6 s in all) before they reach the caller, so a Redis restart or failover is ridden
+    out; every write chatstream retries is idempotent or fenced (docs/reliability.md).
+    """
+    return Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        encoding_errors="replace",
+        health_check_interval=30,
+        socket_connect_timeout=5,
+        socket_timeout=settings.block_ms / 1000 + 10,
+        socket_keepalive=True,
+        retry=Retry(EqualJitterBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
 
 
 class SyncClient:

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from worker.cli import print_event, print_record
 from worker.client import Client, redis_from_settings
-from worker.runner import Worker
+from worker.runner import Worker, cancel_and_wait
 from worker.settings import Settings
 
 
@@ -29,8 +29,8 @@ async def run_demo(settings: Settings, message: str, *, tokens: int, rate: float
         try:
             return await _stream_one(Client.from_settings(settings, redis), message)
         finally:
-            consume.cancel()
-            await asyncio.gather(consume, return_exceptions=True)
+            worker.stopping.set()
+            await cancel_and_wait([consume])
             await worker.shutdown()
 
 

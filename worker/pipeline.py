@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -24,6 +25,7 @@ from pydantic import ValidationError
 from schemas.events import EventType
 from schemas.jobs import JobStatus
 from schemas.requests import ChatRequest
+from worker import logs
 from worker.accumulator import Accumulator, FinalMessage
 from worker.errors import (
     ChatstreamError,
@@ -32,10 +34,11 @@ from worker.errors import (
     UpstreamTimeoutError,
     retryable,
 )
+from worker.metrics import JobTiming, Metrics
 from worker.publisher import JobStream, Publisher, Terminal
 from worker.records import Records, dumps
 from worker.settings import Settings
-from worker.sse import SSEDecoder
+from worker.sse import ServerSentEvent, SSEDecoder
 from worker.upstream import UpstreamClient
 
 log = logging.getLogger("chatstream.pipeline")
@@ -58,6 +61,9 @@ class JobRun:
     stream: JobStream
     cancel_requested: bool = False
     release_requested: bool = False
+    timing: JobTiming = field(default_factory=JobTiming)
+    opened: bool = False  # the current try got past the upstream's first byte
+    acc: Accumulator | None = None  # the current try's output: kept when cancelled
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,7 @@ class Services:
     publisher: Publisher
     upstream: UpstreamClient
     worker_name: str
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 async def run_job(services: Services, job: JobRun) -> Outcome:
@@ -81,13 +88,15 @@ async def run_job(services: Services, job: JobRun) -> Outcome:
         error = exc
     except TimeoutError:
         error = UpstreamTimeoutError(f"job exceeded {services.settings.job_timeout:g}s")
+        final = job.acc.finish() if job.acc is not None else None  # the output so far
     except asyncio.CancelledError:
         if not (job.cancel_requested or job.release_requested):
             raise
         _uncancel()
         if job.release_requested:
             return Outcome.RELEASED
-        return await write_terminal(services, job, None, None, cancelled=True)
+        partial = job.acc.finish() if job.acc is not None else None
+        return await write_terminal(services, job, partial, None, cancelled=True)
     return await write_terminal(services, job, final, error)
 
 
@@ -108,40 +117,60 @@ async def stream_with_retries(
     tries = 0
     while True:
         tries += 1
-        acc = Accumulator()
+        acc = job.acc = Accumulator()
+        job.opened = False
         try:
             await stream_once(services, job, body, acc)
             return acc.finish(), None
         except ChatstreamError as exc:
+            services.metrics.upstream_error(exc)
             if not await _may_retry(services, job, exc, tries):
                 return acc.finish(), exc
+            services.metrics.pipeline_retry()
             log.info("job %s attempt %d: retrying after %s", job.job_id, job.attempt, exc.code)
 
 
 async def stream_once(
     services: Services, job: JobRun, body: dict[str, Any], acc: Accumulator
 ) -> None:
-    decoder = SSEDecoder(services.settings.max_event_bytes)
+    limit = services.settings.max_event_bytes
+    decoder = SSEDecoder(limit)
     publisher = services.publisher
+    timing = job.timing
     async with services.upstream.stream(job.upstream, body) as chunks:
+        job.opened = True
         async for data in chunks:
-            for event in decoder.feed(data):
+            events = decoder.feed(data) if len(data) <= limit else _sliced(decoder, data, limit)
+            for event in events:
                 delta = acc.feed_data(event.data)
                 if delta is not None:
                     publisher.publish(job.stream, delta)
+                    timing.deltas += 1
+            timing.saw_output()
             if acc.done or acc.errored:
                 break
     for event in decoder.flush():
         delta = acc.feed_data(event.data)
         if delta is not None:
             publisher.publish(job.stream, delta)
-    if not (acc.done or acc.errored or acc.finished):
+            timing.deltas += 1
+    timing.saw_output()
+    if not (acc.done or acc.errored or acc.finish_reason):
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
+
+
+def _sliced(decoder: SSEDecoder, data: bytes, limit: int) -> Iterator[ServerSentEvent]:
+    """A read longer than the event limit, fed in limit-sized slices: the events before an
+    oversized one are still yielded (and published) before EventTooLargeError."""
+    for start in range(0, len(data), limit):
+        yield from decoder.feed(data[start : start + limit])
 
 
 async def _may_retry(services: Services, job: JobRun, exc: ChatstreamError, tries: int) -> bool:
     settings = services.settings
     if not retryable(exc) or tries >= settings.max_attempts:
+        return False
+    if not job.opened:  # UpstreamClient already retried everything before the first byte
         return False
     if not _has_output(job.stream):
         return True
@@ -151,6 +180,7 @@ async def _may_retry(services: Services, job: JobRun, exc: ChatstreamError, trie
     if started.state != "started":
         return False
     job.attempt = started.attempt
+    logs.set_attempt(started.attempt)
     job.stream = services.publisher.open(job.job_id, started.attempt)
     return True
 
@@ -170,8 +200,18 @@ async def write_terminal(
     terminal = build_terminal(final, error, cancelled=cancelled)
     written = await services.publisher.finish(job.stream, terminal)
     if not written:
-        log.warning("job %s attempt %d is stale: a newer attempt owns it", job.job_id, job.attempt)
+        log.warning(
+            "job %s attempt %d: terminal write refused (a newer attempt owns the job, or a "
+            "retried write found its first one applied)",
+            job.job_id,
+            job.attempt,
+        )
         return Outcome.STALE
+    status = terminal.fields["status"]
+    services.metrics.job_finished(status, job.timing)
+    if error is None and "error" in terminal.fields:  # the upstream's mid-stream error chunk
+        services.metrics.upstream_error_code("upstream_stream_error")
+    log.debug("job %s attempt %d: %s", job.job_id, job.attempt, status)
     return Outcome.FINISHED
 
 

@@ -127,6 +127,9 @@ class Publisher:
                 except RedisError as exc:
                     log.warning("publish failed, retrying: %s", exc)
                     await self._requeue(batch, asyncio.sleep(RETRY_DELAY))
+                except Exception:  # a bug must not stop every job's publishing
+                    log.exception("publish failed unexpectedly, retrying")
+                    await self._requeue(batch, asyncio.sleep(RETRY_DELAY))
 
     async def _requeue(self, batch: list[JobStream], pause: Awaitable[Any]) -> None:
         """Put a failed batch back (its entries keep their sequence numbers) and pause."""

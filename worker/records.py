@@ -10,6 +10,7 @@ See docs/redis.md for the data model.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,24 +32,39 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 'created'
 """
 
-# KEYS: record, events. ARGV: worker, now, max_attempts, retention.
+# KEYS: record, events. ARGV: worker, now, max_attempts, retention, queue entry ('' = the
+# attempt does not come from a queue entry: no duplicate check, the entry field is kept),
+# start token (unique per call: the same call retried after a lost reply starts nothing new).
+# Attempts count against max_attempts since the last requeue (budget_base), minus releases.
 START = """
-local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'request', 'upstream')
+local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'request', 'upstream',
+  'entry', 'budget_base', 'dead_pending', 'start_token')
 if not cur[1] then return {'missing'} end
-if cur[1] ~= 'queued' and cur[1] ~= 'running' then return {'terminal'} end
-local attempt = tonumber(cur[2] or '0') + 1
-local releases = tonumber(cur[3] or '0')
-if attempt - releases > tonumber(ARGV[3]) then
+local attempt = tonumber(cur[2] or '0')
+if cur[1] == 'running' and cur[9] == ARGV[6] then
+  return {'started', attempt, cur[4] or '', cur[5] or 'default'}
+end
+if cur[1] ~= 'queued' and cur[1] ~= 'running' then
+  return {'terminal', attempt, cur[8] or ''}
+end
+if cur[1] == 'running' and ARGV[5] ~= '' and cur[6] and cur[6] ~= ARGV[5] then
+  return {'busy', attempt}
+end
+attempt = attempt + 1
+local used = attempt - tonumber(cur[3] or '0') - tonumber(cur[7] or '0')
+if used > tonumber(ARGV[3]) then
   local err = cjson.encode({code='attempts_exhausted',
-    message='the job was started ' .. (attempt - 1 - releases) .. ' times without finishing'})
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'error', err, 'finished_at', ARGV[2])
+    message='the job was started ' .. (used - 1) .. ' times without finishing'})
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'error', err, 'finished_at', ARGV[2],
+    'dead_pending', '1')
   redis.call('XADD', KEYS[2], '*', 'type', 'error', 'attempt', tostring(attempt - 1),
     'data', cjson.encode({error=cjson.decode(err)}))
   redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
-  return {'exhausted', attempt - 1}
+  return {'exhausted', attempt - 1, '1'}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'attempt', attempt, 'worker', ARGV[1],
-  'started_at', ARGV[2], 'seq', 0)
+  'started_at', ARGV[2], 'seq', 0, 'start_token', ARGV[6])
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'entry', ARGV[5]) end
 if attempt > 1 then
   redis.call('XADD', KEYS[2], '*', 'type', 'reset', 'attempt', tostring(attempt),
     'data', cjson.encode({reason='attempt ' .. attempt .. ' starts; earlier deltas are void'}))
@@ -80,12 +96,43 @@ return 1
 """
 
 # KEYS: record. ARGV: attempt. Gives a running attempt back to the queue (shutdown).
+# Idempotent: a retry after a lost reply finds the job queued at the same attempt.
 RELEASE = """
 local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status')
-if cur[1] ~= ARGV[1] or cur[2] ~= 'running' then return 0 end
+if cur[1] ~= ARGV[1] then return 0 end
+if cur[2] == 'queued' then return 1 end
+if cur[2] ~= 'running' then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '')
 redis.call('HINCRBY', KEYS[1], 'releases', 1)
 return 1
+"""
+
+# KEYS: record. ARGV: queue entry. Releases the attempt that runs under a queue entry this
+# worker holds but no longer runs (a task that died, a start cut short by shutdown).
+HANDBACK = """
+local cur = redis.call('HMGET', KEYS[1], 'status', 'entry')
+if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '')
+redis.call('HINCRBY', KEYS[1], 'releases', 1)
+return 1
+"""
+
+# KEYS: record, events. ARGV: now, retention. A failed (dead-lettered) job back to queued
+# with a fresh attempt budget; the attempt counter stays monotonic, so every write of an
+# earlier attempt stays fenced. The old events stream (ended by its error entry) is void.
+REQUEUE = """
+local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'queue_entry')
+if not cur[1] then return 'missing' end
+if cur[1] == 'queued' then return cur[4] and 'queued' or 'unqueued' end
+if cur[1] ~= 'failed' then return cur[1] end
+local base = tonumber(cur[2] or '0') - tonumber(cur[3] or '0')
+redis.call('HDEL', KEYS[1], 'error', 'finished_at', 'content', 'reasoning', 'tool_calls',
+  'finish_reason', 'usage', 'completion_id', 'model', 'web_search', 'free_tier', 'worker',
+  'entry', 'queue_entry', 'dead_pending', 'dead_letter', 'cancel_requested')
+redis.call('HSET', KEYS[1], 'status', 'queued', 'budget_base', base, 'requeued_at', ARGV[1])
+redis.call('DEL', KEYS[2])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 'requeued'
 """
 
 # KEYS: record, events. ARGV: now, retention.
@@ -112,10 +159,11 @@ def dumps(value: Any) -> str:
 class Started:
     """The outcome of trying to start an attempt of a job."""
 
-    state: str  # started | missing | terminal | exhausted
+    state: str  # started | missing | terminal | busy | exhausted
     attempt: int = 0
     request: str = ""
     upstream: str = "default"
+    dead_pending: bool = False  # failed for exhausted attempts, not yet on the dead stream
 
 
 class Records:
@@ -130,6 +178,8 @@ class Records:
         self.delta_script: AsyncScript = redis.register_script(DELTA)
         self.finish_script: AsyncScript = redis.register_script(FINISH)
         self._release = redis.register_script(RELEASE)
+        self._handback = redis.register_script(HANDBACK)
+        self._requeue = redis.register_script(REQUEUE)
         self._cancel = redis.register_script(CANCEL)
 
     def job_keys(self, job_id: str) -> list[str]:
@@ -157,16 +207,54 @@ class Records:
     async def mark_queued(self, job_id: str, entry_id: str) -> None:
         await self.redis.hset(self.keys.job(job_id), "queue_entry", entry_id)
 
-    async def start(self, job_id: str, worker: str, max_attempts: int) -> Started:
-        args: list[str | int] = [worker, f"{time.time():.6f}", max_attempts, self.retention]
+    async def start(
+        self, job_id: str, worker: str, max_attempts: int, entry: str = "", token: str = ""
+    ) -> Started:
+        """Start the next attempt (fenced: every earlier attempt's writes are refused).
+
+        ``entry`` is the queue entry the attempt runs under: while the job runs under
+        another entry, a duplicate entry is refused (``busy``), so at most one attempt runs.
+        ``token`` identifies this start: pass the same one when retrying it after an error
+        (the reply may have been lost after the start happened) to get the same attempt.
+        """
+        now, token = f"{time.time():.6f}", token or secrets.token_hex(8)
+        args: list[str | int] = [worker, now, max_attempts, self.retention, entry, token]
         result = await self._start(keys=self.job_keys(job_id), args=args)
         state = as_text(result[0])
         if state == "started":
             return Started(state, int(result[1]), as_text(result[2]), as_text(result[3]))
-        return Started(state, int(result[1]) if len(result) > 1 else 0)
+        attempt = int(result[1]) if len(result) > 1 else 0
+        dead_pending = len(result) > 2 and as_text(result[2]) == "1"
+        return Started(state, attempt, dead_pending=dead_pending)
 
     async def release(self, job_id: str, attempt: int) -> bool:
+        """Give a running attempt back (status queued); False when it is not current."""
         return int(await self._release(keys=[self.keys.job(job_id)], args=[attempt])) == 1
+
+    async def hand_back(self, job_id: str, entry: str) -> bool:
+        """Release whatever attempt runs under ``entry`` (no live task runs it)."""
+        return int(await self._handback(keys=[self.keys.job(job_id)], args=[entry])) == 1
+
+    async def requeue(self, job_id: str) -> str:
+        """A failed job back to ``queued`` with a fresh attempt budget.
+
+        Returns ``requeued`` or ``unqueued`` (the caller adds a queue entry), ``queued``
+        (it already is), ``missing``, or the job's other status (refused).
+        """
+        args: list[str | int] = [f"{time.time():.6f}", self.retention]
+        return as_text(await self._requeue(keys=self.job_keys(job_id), args=args))
+
+    async def dead_lettered(self, job_id: str, dead_entry: str) -> None:
+        """The job is on the dead-letter stream (entry ``dead_entry``)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hdel(self.keys.job(job_id), "dead_pending")
+        pipe.hset(self.keys.job(job_id), "dead_letter", dead_entry)
+        await pipe.execute()
+
+    async def closing_state(self, job_id: str) -> tuple[str, bool]:
+        """(status, dead_pending) of the record: what is left to do for its queue entry."""
+        status, pending = await self.redis.hmget(self.keys.job(job_id), ["status", "dead_pending"])
+        return (as_text(status) if status is not None else "missing"), pending is not None
 
     async def cancel(self, job_id: str) -> str:
         args: list[str | int] = [f"{time.time():.6f}", self.retention]

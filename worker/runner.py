@@ -13,24 +13,33 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from schemas.jobs import TERMINAL
+from worker import logs
 from worker.keys import Keys
+from worker.metrics import Metrics, MetricsServer
 from worker.pipeline import JobRun, Outcome, Services, run_job
 from worker.publisher import Publisher
 from worker.queue import Entry, Queue
-from worker.records import Records, as_text
+from worker.records import Records, Started, as_text
 from worker.settings import Settings
 from worker.upstream import UpstreamClient
 
 log = logging.getLogger("chatstream.worker")
+TERMINAL_STATUSES = frozenset(status.value for status in TERMINAL)
+T = TypeVar("T")
+PRUNE_EVERY = 300.0  # seconds between sweeps for consumers of dead workers
 
 
 @dataclass(slots=True)
@@ -39,6 +48,51 @@ class Running:
     task: asyncio.Task[None]
     job: JobRun | None = None  # set once the attempt started
     lost: bool = False
+
+
+class Backoff:
+    """Exponential, jittered pauses between retries of a failing Redis call."""
+
+    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
+        self.first = first
+        self.cap = cap
+        self.delay = first
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self.delay * random.uniform(0.5, 1.0))
+        self.delay = min(self.cap, self.delay * 2)
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the tasks and wait for them, cancelling again any that ignored it: on Python
+    3.11, ``asyncio.wait_for`` (redis-py wraps socket writes in it) swallows a cancellation
+    that races the write's completion, and the task would then block in its next read."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.1)
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def retry_redis(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``, retried with backoff while Redis fails (until it succeeds or the task is
+    cancelled); for idempotent or fenced steps only."""
+    backoff = Backoff()
+    while True:
+        try:
+            return await call()
+        except RedisError as exc:
+            log.warning("%s failed (%s); retrying", what, exc)
+            await backoff.pause()
+
+
+def _cancel_swallowed() -> bool:
+    """This task was cancelled, yet the await returned normally (see cancel_and_wait)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def worker_name() -> str:
@@ -59,18 +113,33 @@ class Worker:
         self.keys = Keys(settings.prefix)
         self.records = Records(redis, self.keys, settings.retention_seconds)
         self.queue = Queue(redis, self.keys, self.name)
-        self.publisher = Publisher(redis, self.records, settings.publish_max_batch)
-        self.upstream = upstream or UpstreamClient(settings)
-        self.services = Services(settings, self.records, self.publisher, self.upstream, self.name)
+        self.metrics = Metrics()
+        self.metrics.in_flight.set_function(lambda: len(self.running))
+        self.http: MetricsServer | None = None  # /metrics, /healthz, /readyz
+        self.publisher = Publisher(
+            redis, self.records, settings.publish_max_batch, on_batch=self.metrics.on_batch
+        )
+        self.upstream = upstream or UpstreamClient(
+            settings, on_retry=self.metrics.on_upstream_retry
+        )
+        self.services = Services(
+            settings, self.records, self.publisher, self.upstream, self.name, metrics=self.metrics
+        )
         self.running: dict[str, Running] = {}
         self.processed = 0
         self.stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
+        self._read_backoff = Backoff()
+        self._pruned_at = time.monotonic()
         self._background: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------
 
     async def startup(self) -> None:
+        logs.bind(worker=self.name)
+        if self.settings.metrics_port is not None:
+            self.http = MetricsServer(self.metrics, self.redis, self.stopping)
+            await self.http.start(self.settings.metrics_host, self.settings.metrics_port)
         await self.queue.ensure_group()
         await self.records.load_scripts()
         self.publisher.start()
@@ -84,7 +153,13 @@ class Worker:
         """Read and launch jobs until asked to stop."""
         while not self.stopping.is_set():
             free = await self._free_slots()
+            if self.stopping.is_set():
+                break
             entries = await self._read(free)
+            if _cancel_swallowed():
+                raise asyncio.CancelledError  # the entries are handed back by shutdown()
+            if self.stopping.is_set():
+                break  # delivered as we stop: shutdown() hands them back
             for entry in entries:
                 self._launch(entry)
 
@@ -99,12 +174,12 @@ class Worker:
             await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_seconds)
         await self._release_all()
         await self._requeue_unstarted()
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await cancel_and_wait(self._background)
         await self.publisher.stop()
         await self._leave()
         await self.upstream.aclose()
+        if self.http is not None:
+            await self.http.stop()
         log.info("worker %s stopped after %d jobs", self.name, self.processed)
 
     async def run_burst(self, block_ms: int = 50) -> int:
@@ -134,12 +209,16 @@ class Worker:
     async def _read(self, count: int, block_ms: int | None = None) -> list[Entry]:
         try:
             entries = await self.queue.read(count, block_ms or self.settings.block_ms)
+            self.metrics.delivered(entry.entry_id for entry in entries)
             if len(entries) < count:
-                entries += await self.queue.reclaim(count - len(entries), self._lease_ms)
+                reclaimed = await self.queue.reclaim(count - len(entries), self._lease_ms)
+                self.metrics.reclaimed(len(reclaimed))
+                entries += reclaimed
+            self._read_backoff.reset()
             return entries
         except RedisError as exc:
             log.warning("reading the queue failed (%s); retrying", exc)
-            await asyncio.sleep(0.5)
+            await self._read_backoff.pause()
             return []
 
     @property
@@ -147,11 +226,14 @@ class Worker:
         return int(self.settings.lease_seconds * 1000)
 
     def _launch(self, entry: Entry) -> None:
+        if entry.entry_id in self.running:
+            return  # our own entry, reclaimed by us after a stall: its task still runs it
         task = asyncio.create_task(self._handle(entry), name=f"job-{entry.job_id}")
         # registered before it runs, so its lease is renewed from the first moment
         self.running[entry.entry_id] = Running(entry, task)
 
     async def _handle(self, entry: Entry) -> None:
+        logs.bind(worker=self.name, job=entry.job_id)  # this task's log lines carry the job
         try:
             await self._run_entry(entry)
         except Exception:
@@ -162,39 +244,70 @@ class Worker:
             self._slot_freed.set()
 
     async def _run_entry(self, entry: Entry) -> None:
-        if entry.job_id is None:
+        """One entry: start the attempt, run it, settle the entry. The Redis steps are
+        retried through outages (our lease is renewed meanwhile); all are idempotent or
+        fenced. Shutdown cancels a step still waiting and hands the entry back."""
+        job_id = entry.job_id
+        if job_id is None:
             log.error("dropping queue entry %s without a job id: %r", entry.entry_id, entry.raw)
-            await self.queue.ack(entry.entry_id)
+            await retry_redis("dropping", lambda: self.queue.ack(entry.entry_id))
             return
-        started = await self.records.start(entry.job_id, self.name, self.settings.max_attempts)
+        max_attempts, token = self.settings.max_attempts, secrets.token_hex(8)
+        started = await retry_redis(
+            f"job {job_id}: starting",
+            lambda: self.records.start(job_id, self.name, max_attempts, entry.entry_id, token),
+        )
         if started.state != "started":
-            await self._skip(entry, started.state, started.attempt)
+            await retry_redis(f"job {job_id}: skipping", lambda: self._skip(entry, started))
             return
+        logs.set_attempt(started.attempt)
         run = self.running[entry.entry_id]
-        stream = self.publisher.open(entry.job_id, started.attempt)
-        run.job = JobRun(entry.job_id, started.attempt, started.request, started.upstream, stream)
-        outcome = await run_job(self.services, run.job)
-        await self._settle(run, run.job, outcome)
+        stream = self.publisher.open(job_id, started.attempt)
+        job = run.job = JobRun(job_id, started.attempt, started.request, started.upstream, stream)
+        outcome = await run_job(self.services, job)
+        await retry_redis(f"job {job_id}: settling", lambda: self._settle(run, job, outcome))
 
-    async def _skip(self, entry: Entry, state: str, attempt: int) -> None:
-        if state == "missing":
-            log.error("job %s has no record (expired or never created); dropping", entry.job_id)
-        elif state == "exhausted":
-            log.error("job %s failed: attempts exhausted after attempt %d", entry.job_id, attempt)
-            await self.queue.dead_letter(
-                entry.job_id or "", {"code": "attempts_exhausted", "attempts": attempt}
+    async def _skip(self, entry: Entry, started: Started) -> None:
+        job_id = entry.job_id or ""
+        if started.state == "missing":
+            log.error("job %s has no record (expired or never created); dropping", job_id)
+        elif started.state == "busy":
+            log.warning(
+                "job %s runs under another queue entry; dropping %s", job_id, entry.entry_id
             )
+        elif started.state == "exhausted":
+            log.error("job %s failed: attempts exhausted after attempt %d", job_id, started.attempt)
+            self.metrics.job_failed_unstarted()
+        if started.dead_pending:
+            await self._dead_letter(job_id, started.attempt)
         await self.queue.ack(entry.entry_id)
+
+    async def _dead_letter(self, job_id: str, attempt: int) -> None:
+        reason = {"code": "attempts_exhausted", "attempts": attempt}
+        dead_entry = await self.queue.dead_letter(job_id, reason)
+        await self.records.dead_lettered(job_id, dead_entry)
 
     async def _settle(self, run: Running, job: JobRun, outcome: Outcome) -> None:
         if outcome is Outcome.FINISHED:
             await self.queue.ack(run.entry.entry_id)
-        elif (
-            outcome is Outcome.RELEASED
-            and not run.lost
-            and await self.records.release(job.job_id, job.attempt)
-        ):
-            await self.queue.requeue(run.entry.entry_id, job.job_id)
+        elif outcome is Outcome.RELEASED:
+            if not run.lost and await self.records.release(job.job_id, job.attempt):
+                await self._requeue(run.entry.entry_id, job.job_id)
+        else:  # STALE: a newer attempt owns the job, or our terminal write already landed
+            await self._close_if_ended(run.entry.entry_id, job.job_id, job.attempt)
+
+    async def _close_if_ended(self, entry_id: str, job_id: str, attempt: int) -> None:
+        """Ack the entry of a job that reached a terminal state (a retried terminal write
+        finds its own first write); leave it alone while a newer attempt runs."""
+        status, dead_pending = await self.records.closing_state(job_id)
+        if dead_pending:
+            await self._dead_letter(job_id, attempt)
+        if status in TERMINAL_STATUSES or status == "missing":
+            await self.queue.ack(entry_id)
+
+    async def _requeue(self, entry_id: str, job_id: str) -> None:
+        if await self.queue.requeue(entry_id, job_id) is None:
+            log.info("job %s: entry %s was taken over; not requeued", job_id, entry_id)
 
     async def _release_all(self) -> None:
         remaining = list(self.running.values())
@@ -204,13 +317,22 @@ class Worker:
             run.task.cancel()
         if remaining:
             log.info("released %d unfinished jobs to the queue", len(remaining))
-            await asyncio.gather(*(run.task for run in remaining), return_exceptions=True)
+            tasks = [run.task for run in remaining]
+            await asyncio.wait(tasks, timeout=5)  # a release is a few round trips
+            await cancel_and_wait(tasks)  # any that swallowed the cancel: handed back next
 
     async def _requeue_unstarted(self) -> None:
-        """Entries delivered to us that never got a task (a read cut short by shutdown)."""
+        """Hand back the entries we hold but no longer run: reads cut short by shutdown,
+        starts cancelled midway, tasks that died. Only entries well inside their lease:
+        older ones may be being taken over right now, and reclaim does that anyway."""
         try:
-            for entry_id in await self.queue.owned():
-                await self.queue.requeue_owned(entry_id)
+            for entry_id in await self.queue.owned(max_idle_ms=self._lease_ms * 2 // 3):
+                job_id = await self.queue.job_of(entry_id)
+                if job_id is None:
+                    await self.queue.ack(entry_id)
+                    continue
+                await self.records.hand_back(job_id, entry_id)
+                await self._requeue(entry_id, job_id)
         except RedisError as exc:
             log.warning("could not hand back pending entries: %s", exc)
 
@@ -221,10 +343,16 @@ class Worker:
         while True:
             try:
                 await self._renew_leases()
+                await self._adopt_stranded()
+                await self._prune_consumers()
                 await self._poll_cancel_flags()
                 await self.redis.zadd(self.keys.workers, {self.name: time.time()})
+                if self.http is not None:  # queue gauges, served from memory
+                    await self.metrics.refresh_queue(self.redis, self.keys)
             except RedisError as exc:
                 log.warning("lease maintenance failed: %s", exc)
+            except Exception:  # a bug must not stop lease renewal
+                log.exception("lease maintenance failed unexpectedly")
             await asyncio.sleep(interval)
 
     async def _renew_leases(self) -> None:
@@ -238,6 +366,31 @@ class Worker:
                     run.job.release_requested = True
                 run.task.cancel()
 
+    async def _adopt_stranded(self) -> None:
+        """Run entries delivered to us that we never saw (a read's reply lost to a Redis
+        restart): ours, yet unrenewed for half a lease. Not while stopping: shutdown hands
+        back what it can, and the rest is reclaimed by others."""
+        if self.stopping.is_set():
+            return
+        for entry in await self.queue.stranded(self._lease_ms // 2):
+            if entry.entry_id not in self.running:
+                log.warning(
+                    "queue entry %s (job %s) was never seen; running it now",
+                    entry.entry_id,
+                    entry.job_id,
+                )
+                self._launch(entry)
+
+    async def _prune_consumers(self) -> None:
+        """Now and then, drop the group's consumers of workers that died long ago."""
+        now = time.monotonic()
+        if now - self._pruned_at < PRUNE_EVERY:
+            return
+        self._pruned_at = now
+        idle = max(PRUNE_EVERY, 10 * self.settings.lease_seconds)
+        if removed := await self.queue.prune(int(idle * 1000)):
+            log.info("removed %d consumers of workers gone for %gs", removed, idle)
+
     async def _poll_cancel_flags(self) -> None:
         runs = [run for run in self.running.values() if run.job is not None]
         if not runs:
@@ -250,15 +403,19 @@ class Worker:
                 self._cancel_run(run)
 
     async def _listen_for_cancels(self) -> None:
+        backoff = Backoff(first=0.1)
         while True:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.keys.cancel_channel)
+                    backoff.reset()
                     async for message in pubsub.listen():
                         self.cancel_local(as_text(message["data"]))
-            except RedisError as exc:
+            except (RedisError, OSError) as exc:
                 log.warning("cancel listener lost Redis (%s); resubscribing", exc)
-                await asyncio.sleep(0.5)
+            except Exception:  # a bug must not stop cancellation (flags are polled too)
+                log.exception("cancel listener failed unexpectedly; resubscribing")
+            await backoff.pause()
 
     def cancel_local(self, job_id: str) -> bool:
         for run in self.running.values():
@@ -276,6 +433,7 @@ class Worker:
     async def _leave(self) -> None:
         with contextlib.suppress(RedisError):
             await self.redis.zrem(self.keys.workers, self.name)
+            await self.queue.leave()  # only when we hold no entries
 
 
 async def serve(settings: Settings, redis: Redis) -> None:

@@ -41,6 +41,7 @@ from worker.errors import (
     retryable,
     snippet,
 )
+from worker.logs import RedactFilter, secrets_of
 from worker.settings import Settings, Upstream
 
 logger = logging.getLogger("chatstream.upstream")
@@ -49,6 +50,15 @@ RETRY_STATUSES = frozenset({408, 409, 425, 429})
 MAX_ERROR_BODY = 64 * 1024
 MIN_RETRY_AFTER_CAP = 60.0
 REDACTED = "[REDACTED]"
+HTTP_LOGGERS = (
+    "httpx",
+    "httpcore.connection",
+    "httpcore.http11",
+    "httpcore.http2",
+    "httpcore.proxy",
+    "httpcore.socks",
+)
+_HTTP_LOG_REDACTION = RedactFilter([])
 
 OnRetry = Callable[[BaseException, float], None]
 
@@ -90,6 +100,7 @@ class UpstreamClient:
         self._jitter = wait_random_exponential(
             multiplier=settings.retry_initial_backoff, max=settings.retry_max_backoff
         )
+        guard_http_logs(secrets_of(settings))
 
     async def __aenter__(self) -> UpstreamClient:
         return self
@@ -202,6 +213,22 @@ class UpstreamClient:
                 self._on_retry(exc, wait)
 
         return log_and_notify
+
+
+def guard_http_logs(secrets: list[str]) -> None:
+    """Mask ``secrets`` in every record httpx and httpcore create.
+
+    httpcore's DEBUG lines show response headers, and a hostile upstream can echo the API
+    key in one. The filter sits on those loggers (not on a handler), so it holds whatever
+    logging the application configures; it only runs for records that are logged at all.
+    """
+    known = set(_HTTP_LOG_REDACTION.secrets)
+    if not known.issuperset(s for s in secrets if s):
+        _HTTP_LOG_REDACTION.secrets = sorted(known.union(secrets) - {""}, key=len, reverse=True)
+    for name in HTTP_LOGGERS:
+        http_logger = logging.getLogger(name)
+        if _HTTP_LOG_REDACTION not in http_logger.filters:
+            http_logger.addFilter(_HTTP_LOG_REDACTION)
 
 
 def _timeouts(settings: Settings) -> httpx.Timeout:
