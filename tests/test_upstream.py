@@ -505,7 +505,9 @@ async def test_200_with_the_wrong_content_type_is_terminal() -> None:
 
 
 async def test_idle_timeout_mid_stream(sleeps: list[float]) -> None:
-    fake = Upstream(sse(EVENTS[0], 1.0, EVENTS[1]))
+    # httpx's read timeout is the idle timeout (a MockTransport has no socket to time out,
+    # so the body raises what httpx raises; tests/test_faults.py stalls a real socket)
+    fake = Upstream(sse(EVENTS[0], httpx.ReadTimeout("timed out"), EVENTS[1]))
     received: list[bytes] = []
     async with client_for(fake, make_settings(idle_timeout=0.05)) as client:
         with pytest.raises(UpstreamTimeoutError, match=r"no data for 0\.05s"):

@@ -181,15 +181,11 @@ class UpstreamClient:
     async def _relay(self, name: str, opened: _Opened) -> AsyncGenerator[bytes, None]:
         """The body after the first byte, with the idle timeout and no retries."""
         yield opened.first
-        idle = self._settings.idle_timeout
-        while True:
-            with _translate_httpx_errors(name, streaming=True, deadline=idle):
-                async with asyncio.timeout(idle):
-                    chunk = await anext(opened.chunks, None)
-            if chunk is None:
-                return
-            if chunk:
-                yield chunk
+        # httpx's read timeout (= idle_timeout) bounds each gap: no timer per chunk here
+        with _translate_httpx_errors(name, streaming=True, deadline=self._settings.idle_timeout):
+            async for chunk in opened.chunks:
+                if chunk:
+                    yield chunk
 
     def _wait(self, state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
@@ -232,15 +228,16 @@ def guard_http_logs(secrets: list[str]) -> None:
 
 
 def _timeouts(settings: Settings) -> httpx.Timeout:
-    """httpx's per-operation timeouts; the first-byte and idle deadlines are ours.
+    """httpx's per-operation timeouts.
 
-    ``read`` is only a backstop: ``_attempt`` bounds send + headers + first byte by
-    ``first_byte_timeout`` and ``_relay`` bounds every later gap by ``idle_timeout``, so a
-    mid-stream pause is never cut short by the (possibly shorter) first-byte value.
+    ``read`` is the idle timeout: it bounds every single socket read, mid-stream gaps and
+    the wait for the response headers alike (httpcore applies it per read, at no extra
+    cost per chunk). ``_attempt`` also bounds send + headers + first byte as a whole by
+    ``first_byte_timeout``; the wait for headers is therefore the smaller of the two.
     """
     return httpx.Timeout(
         connect=settings.connect_timeout,
-        read=max(settings.first_byte_timeout, settings.idle_timeout),
+        read=settings.idle_timeout,
         write=settings.first_byte_timeout,
         pool=settings.connect_timeout,
     )
