@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -33,6 +33,8 @@ from worker.settings import Settings
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
+# a job step waits this long for a free pooled connection before it counts as a Redis error
+POOL_WAIT_SECONDS = 30
 REDIS_RETRIES = 10
 
 
@@ -225,9 +227,14 @@ def redis_from_settings(settings: Settings) -> Redis:
     Connection errors and timeouts are retried with jittered exponential backoff (about
     6 s in all) before they reach the caller, so a Redis restart or failover is ridden
     out; every write chatstream retries is idempotent or fenced (docs/reliability.md).
+
+    The pool is a blocking one of ``redis_max_connections``: hundreds of jobs starting at
+    once wait briefly for a connection instead of failing with ``MaxConnectionsError``.
     """
-    return Redis.from_url(
+    pool = BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=POOL_WAIT_SECONDS,
         decode_responses=True,
         encoding_errors="replace",
         health_check_interval=30,
@@ -237,6 +244,7 @@ def redis_from_settings(settings: Settings) -> Redis:
         retry=Retry(EqualJitterBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    return Redis.from_pool(pool)
 
 
 class SyncClient:

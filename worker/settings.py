@@ -77,6 +77,13 @@ class Settings(BaseSettings):
         ge=1,
         description="TTL of job records and events streams, counted from the last state change.",
     )
+    redis_max_connections: int = Field(
+        128,
+        ge=4,
+        le=10_000,
+        description="Connections per process to Redis at most; beyond it a Redis call waits "
+        "for a free one (a blocking pool) instead of failing.",
+    )
     block_ms: int = Field(
         2_000,
         ge=1,
