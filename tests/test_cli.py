@@ -1,0 +1,411 @@
+"""The ``chatstream`` command as a user runs it: subprocesses against the test redis-server.
+
+The mock upstream is served by the test's event loop, so every CLI call runs as an
+asyncio subprocess (a blocking ``subprocess.run`` would stall the mock it talks to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from redis.asyncio import Redis
+
+from tests.conftest import RedisServer, chat, free_port
+from tests.test_worker import check_stream, stream_entries
+from worker.client import Client
+from worker.keys import Keys
+from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, expected_usage
+
+CHATSTREAM = str(Path(sys.executable).with_name("chatstream"))
+MOCK = MockConfig(tokens=12)
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class Cli:
+    env: dict[str, str]
+    cwd: Path
+    prefix: str
+    redis: Redis
+    mock: MockUpstream
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+    @property
+    def client(self) -> Client:
+        return Client(self.redis, prefix=self.prefix)
+
+    async def start(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            CHATSTREAM,
+            *args,
+            env={**self.env, **(env or {})},
+            cwd=self.cwd,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+
+    async def run(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 20
+    ) -> Result:
+        process = await self.start(*args, env=env)
+        async with asyncio.timeout(timeout):
+            out, err = await process.communicate()
+        assert process.returncode is not None
+        return Result(process.returncode, out.decode(), err.decode())
+
+    def popen_worker(self, log: IO[bytes], *args: str) -> subprocess.Popen[bytes]:
+        return spawn_worker(self.env, self.cwd, log, *args)
+
+
+def spawn_worker(
+    env: dict[str, str], cwd: Path, log: IO[bytes], *args: str
+) -> subprocess.Popen[bytes]:
+    """``chatstream worker`` in the background, its output (logs) into ``log``."""
+    return subprocess.Popen(
+        [CHATSTREAM, "worker", *args], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def clean_env() -> dict[str, str]:
+    """The test's environment without any CHATSTREAM_* setting of the developer's."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
+
+
+@pytest.fixture
+async def cli(
+    redis_server: RedisServer | None,
+    redis: Redis,
+    prefix: str,
+    mock_upstream: tuple[MockUpstream, str],
+    tmp_path: Path,
+) -> Cli:
+    if redis_server is None:
+        pytest.skip("the CLI tests need a real redis-server")
+    mock, url = mock_upstream
+    env = {
+        **clean_env(),
+        "CHATSTREAM_REDIS_URL": redis_server.url,
+        "CHATSTREAM_PREFIX": prefix,
+        "CHATSTREAM_UPSTREAM_URL": url,
+        "CHATSTREAM_BLOCK_MS": "200",
+        "CHATSTREAM_SHUTDOWN_GRACE_SECONDS": "5",
+        "CHATSTREAM_RETRY_INITIAL_BACKOFF": "0.01",
+        "CHATSTREAM_RETRY_MAX_BACKOFF": "0.05",
+    }
+    return Cli(env, tmp_path, prefix, redis, mock)
+
+
+async def wait_for_worker(cli: Cli, process: subprocess.Popen[bytes], timeout: float = 15) -> None:
+    """Until the worker process wrote its first heartbeat (it consumes from then on)."""
+    async with asyncio.timeout(timeout):
+        while not await cli.redis.zcard(cli.keys.workers):
+            assert process.poll() is None, "the worker exited during start-up"
+            await asyncio.sleep(0.05)
+
+
+async def stop_worker(process: subprocess.Popen[bytes], timeout: float = 5) -> int:
+    """SIGTERM; the exit code, which must come within ``timeout`` seconds."""
+    process.send_signal(signal.SIGTERM)
+    return await asyncio.to_thread(process.wait, timeout)
+
+
+@pytest.fixture
+async def worker(cli: Cli, tmp_path: Path) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """A ``chatstream worker`` subprocess; stopped with SIGTERM, it must exit 0 at once."""
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        process = cli.popen_worker(log)
+        try:
+            await wait_for_worker(cli, process)
+            yield process
+            if process.poll() is None:
+                assert await stop_worker(process) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    output = log_path.read_text()
+    assert "Traceback" not in output, output
+    assert process.returncode == 0, output
+
+
+async def read_until(stream: asyncio.StreamReader, marker: bytes, timeout: float = 10) -> bytes:
+    data = b""
+    async with asyncio.timeout(timeout):
+        while marker not in data:
+            chunk = await stream.read(4096)
+            assert chunk, f"EOF before {marker!r}: {data!r}"
+            data += chunk
+    return data
+
+
+# -- enqueue, tail, status, cancel --------------------------------------------------------
+
+
+async def test_enqueue_follow_prints_tokens_live_then_the_record(
+    cli: Cli, worker: subprocess.Popen[bytes]
+) -> None:
+    mock_options = {"tokens": 50, "rate": 50}
+    request = chat("Hello", **mock_options)
+    process = await cli.start(
+        "enqueue", "--model", "mock-model", "--message", "Hello", "--follow",
+        "--mock", json.dumps(mock_options),
+    )  # fmt: skip
+    assert process.stdout is not None
+    head = await read_until(process.stdout, b"tok0")
+    job_id = head.decode().splitlines()[0]
+    assert (await cli.client.get(job_id)).status == "running"  # tokens come while it runs
+    async with asyncio.timeout(20):
+        rest, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    out = (head + rest).decode()
+    reply = expected_reply(request, MOCK)
+    assert out.startswith(f"{job_id}\n{reply}\n[done]\n")
+    assert f"job       {job_id}\n" in out
+    assert "status    succeeded\n" in out
+    assert "attempt   1\n" in out
+    assert "finish    stop\n" in out
+    assert f"usage     {json.dumps(expected_usage(request, MOCK))}\n" in out
+    assert "Traceback" not in err.decode()
+
+
+async def test_enqueue_wait_json_prints_the_final_record(
+    cli: Cli, worker: subprocess.Popen[bytes]
+) -> None:
+    result = await cli.run(
+        "enqueue", "--model", "mock-model", "--message", "Hi", "--job-id", "cli-1",
+        "--wait", "--json", "--timeout", "15", "--mock", '{"tokens": 9, "tool_calls": 1}',
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout  # only the record: no job id line
+    record = json.loads(lines[0])
+    request = chat("Hi", tokens=9, tool_calls=1)
+    assert record["id"] == "cli-1"
+    assert record["status"] == "succeeded"
+    assert record["content"] == expected_reply(request, MOCK)
+    assert record["finish_reason"] == "tool_calls"
+    assert len(record["tool_calls"]) == 1
+    assert record["usage"] == expected_usage(request, MOCK)
+    assert record["attempt"] == 1
+    assert record["worker"]
+    assert "request" not in record
+    assert record == json.loads(
+        (await cli.client.get("cli-1")).model_dump_json(exclude={"request"})
+    )
+
+
+async def test_tail_and_status_of_a_finished_job(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
+    job_id = await cli.client.enqueue(chat("tail me", tokens=50, rate=1000))
+    record = await cli.client.result(job_id, timeout=15)
+    events = await stream_entries(cli.redis, cli.keys, job_id)
+    check_stream(events, record)
+
+    tail, resumed, text, status, plain = await asyncio.gather(
+        cli.run("tail", job_id, "--json"),
+        cli.run("tail", job_id, "--json", "--after", events[0].id),
+        cli.run("tail", job_id),
+        cli.run("status", job_id, "--json"),
+        cli.run("status", job_id),
+    )
+    assert tail.returncode == 0, tail.stderr
+    lines = [json.loads(line) for line in tail.stdout.splitlines()]
+    assert lines == [
+        {"id": e.id, "type": e.type.value, "attempt": e.attempt, "data": e.data} for e in events
+    ]
+    assert [json.loads(line) for line in resumed.stdout.splitlines()] == lines[1:]
+    assert text.stdout == f"{record.content}\n[done]\n"
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout) == json.loads(record.model_dump_json(exclude={"request"}))
+    assert plain.stdout.startswith(f"job       {job_id}\nstatus    succeeded\nattempt   1\n")
+
+
+async def test_tail_follows_a_running_job(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
+    job_id = await cli.client.enqueue(chat("slow", tokens=40, rate=40))
+    process = await cli.start("tail", job_id)
+    assert process.stdout is not None
+    await read_until(process.stdout, b"tok1")
+    assert (await cli.client.get(job_id)).status == "running"
+    async with asyncio.timeout(15):
+        await process.communicate()
+    assert process.returncode == 0
+    assert (await cli.client.get(job_id)).status == "succeeded"
+
+
+async def test_cancel_of_a_queued_job(cli: Cli) -> None:
+    enqueue = await cli.run("enqueue", "--model", "m", "--message", "later")
+    assert enqueue.returncode == 0, enqueue.stderr
+    job_id = enqueue.stdout.strip()
+    assert (await cli.client.get(job_id)).status == "queued"
+    cancel = await cli.run("cancel", job_id)
+    assert cancel.returncode == 0, cancel.stderr
+    assert cancel.stdout == "cancelled\n"
+    status, tail, again = await asyncio.gather(
+        cli.run("status", job_id, "--json"),
+        cli.run("tail", job_id, "--json"),
+        cli.run("cancel", job_id),
+    )
+    assert json.loads(status.stdout)["status"] == "cancelled"
+    assert [json.loads(line)["type"] for line in tail.stdout.splitlines()] == ["cancelled"]
+    assert again.stdout == "cancelled\n"
+    assert cli.mock.requests["/v1/chat/completions"] == 0
+
+
+async def test_enqueue_wait_times_out_with_one_line(cli: Cli) -> None:
+    result = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--wait", "--timeout", "0.3"
+    )
+    assert result.returncode == 1
+    assert result.stderr == "chatstream: error: timed out\n"
+
+
+# -- user errors: one line on stderr, non-zero exit, no traceback ---------------------------
+
+
+def assert_one_line_error(result: Result, fragment: str, args: Any = None) -> None:
+    assert result.returncode == 1, (args, result)
+    assert "Traceback" not in result.stderr, (args, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, (args, result.stderr)
+    assert lines[0].startswith("chatstream: error: "), (args, lines[0])
+    assert fragment in lines[0], (args, lines[0])
+
+
+USER_ERRORS: list[tuple[list[str], dict[str, str], str]] = [
+    (["status", "x"], {"CHATSTREAM_REDIS_URL": "http://127.0.0.1:1/0"},
+     "invalid settings: CHATSTREAM_REDIS_URL"),
+    (["worker"], {"CHATSTREAM_CONCURRENCY": "abc"}, "invalid settings: CHATSTREAM_CONCURRENCY"),
+    (["status", "x"], {"CHATSTREAM_RETENTION_SECONDS": "0"},
+     "invalid settings: CHATSTREAM_RETENTION_SECONDS"),
+    (["status", "nope"], {}, "no job 'nope'"),
+    (["tail", "nope"], {}, "no job 'nope'"),
+    (["cancel", "nope"], {}, "no job 'nope'"),
+    (["enqueue", "--model", "m", "--message", "x", "--upstream", "other"], {},
+     "unknown upstream 'other'"),
+    (["enqueue", "--model", "m", "--message", "x", "--job-id", "a b"], {}, "invalid job"),
+]  # fmt: skip
+
+
+async def test_user_errors_are_one_line(cli: Cli) -> None:
+    results = await asyncio.gather(*(cli.run(*args, env=env) for args, env, _ in USER_ERRORS))
+    for (args, _, fragment), result in zip(USER_ERRORS, results, strict=True):
+        assert_one_line_error(result, fragment, args)
+    assert await cli.redis.xlen(cli.keys.queue) == 0
+
+
+@pytest.mark.slow  # the client retries connecting for about 6 s first
+async def test_redis_down_is_one_line(cli: Cli) -> None:
+    """A closed port: one line naming the URL (without its password) after the retries."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    cases = [
+        (["status", "x"], url, f"cannot reach Redis at {url}"),
+        (["worker"], url, f"cannot reach Redis at {url}"),
+        (["enqueue", "--model", "m", "--message", "x"], url, f"cannot reach Redis at {url}"),
+        (
+            ["status", "x"],
+            f"redis://user:s3cret@127.0.0.1:{port}/0",
+            f"cannot reach Redis at redis://user:***@127.0.0.1:{port}/0",
+        ),
+    ]
+    results = await asyncio.gather(
+        *(cli.run(*args, env={"CHATSTREAM_REDIS_URL": u}) for args, u, _ in cases)
+    )
+    for (args, _, fragment), result in zip(cases, results, strict=True):
+        assert_one_line_error(result, fragment, args)
+        assert "s3cret" not in result.stderr
+
+
+USAGE_ERRORS: list[tuple[list[str], str]] = [
+    ([], "the following arguments are required: COMMAND"),
+    (["enqueue", "--model", "m"], "the following arguments are required: --message"),
+    (["status"], "the following arguments are required: job"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["worker", "--concurrency", "many"], "argument --concurrency: invalid"),
+    (["worker", "--concurrency", "-3"], "argument --concurrency: invalid"),
+    (["enqueue", "--model", "m", "--message", "x", "--mock", "{"], "argument --mock"),
+]
+
+
+async def test_usage_errors_name_the_problem(cli: Cli) -> None:
+    """argparse's usage text, then one line naming the problem; exit 2, no traceback."""
+    results = await asyncio.gather(*(cli.run(*args) for args, _ in USAGE_ERRORS))
+    for (args, fragment), result in zip(USAGE_ERRORS, results, strict=True):
+        assert result.returncode == 2, (args, result)
+        assert "Traceback" not in result.stderr, (args, result.stderr)
+        assert result.stderr.startswith("usage: chatstream"), (args, result.stderr)
+        last = result.stderr.splitlines()[-1]
+        assert last.startswith("chatstream"), (args, last)
+        assert fragment in last, (args, last)
+    assert await cli.redis.xlen(cli.keys.queue) == 0
+
+
+# -- worker lifecycle, demo ---------------------------------------------------------------
+
+
+async def test_worker_exits_0_on_sigterm_after_finishing_its_job(cli: Cli, tmp_path: Path) -> None:
+    with (tmp_path / "w.log").open("wb") as log:
+        process = cli.popen_worker(log, "--concurrency", "4")
+        try:
+            await wait_for_worker(cli, process)
+            job_id = await cli.client.enqueue(chat("finish me", tokens=40, rate=40))
+            async for event in cli.client.events(job_id, block_ms=100):
+                assert event.type.value == "delta"
+                break
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            assert await stop_worker(process, timeout=8) == 0
+            assert loop.time() - began < 8
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    record = await cli.client.get(job_id)
+    assert record.status == "succeeded"  # the grace period let the running job finish
+    assert record.content == expected_reply(chat(tokens=40), MOCK)
+    assert await cli.redis.zcard(cli.keys.workers) == 0  # it left the worker set
+    log_text = (tmp_path / "w.log").read_text()
+    assert "Traceback" not in log_text
+    assert "shutting down gracefully" in log_text
+
+
+async def test_demo_runs_without_any_configuration(tmp_path: Path) -> None:
+    process = await asyncio.create_subprocess_exec(
+        CHATSTREAM,
+        "demo",
+        env=clean_env(),
+        cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(30):
+        out_bytes, err_bytes = await process.communicate()
+    out, err = out_bytes.decode(), err_bytes.decode()
+    assert process.returncode == 0, err
+    reply = " ".join(f"tok{i}" for i in range(48))
+    assert f"\n{reply}\n[done]\n" in out
+    assert "status    succeeded" in out
+    assert "in-process Redis stand-in" in err
+    assert "mock upstream" in err
+    assert "Traceback" not in err
