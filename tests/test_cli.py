@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from tests.conftest import RedisServer, chat, free_port
 from tests.test_worker import check_stream, stream_entries
 from worker.client import Client
+from worker.demo import DEMO_REPLY
 from worker.keys import Keys
 from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, expected_usage
 
@@ -403,8 +404,7 @@ async def test_demo_runs_without_any_configuration(tmp_path: Path) -> None:
         out_bytes, err_bytes = await process.communicate()
     out, err = out_bytes.decode(), err_bytes.decode()
     assert process.returncode == 0, err
-    reply = " ".join(f"tok{i}" for i in range(48))
-    assert f"\n{reply}\n[done]\n" in out
+    assert f"\n{DEMO_REPLY}\n[done]\n" in out
     assert "status    succeeded" in out
     assert "in-process Redis stand-in" in err
     assert "mock upstream" in err

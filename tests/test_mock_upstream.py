@@ -115,6 +115,16 @@ async def test_plain_stream_matches_expected_reply() -> None:
     assert all("usage" not in c for c in parsed)
 
 
+async def test_words_are_cycled_into_the_reply() -> None:
+    async with served(tokens=5, words="red green blue") as (_, client):
+        request = body()
+        _, events = await stream(client, request)
+    assert content(events) == "red green blue red green"
+    assert expected_reply(request, MockConfig(tokens=5, words="red green blue")) == (
+        "red green blue red green"
+    )
+
+
 async def test_usage_chunk_before_done_when_asked() -> None:
     async with served(tokens=5) as (_, client):
         request = body(stream_options={"include_usage": True})

@@ -327,7 +327,7 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.set_defaults(command=mock_command)
     p = sub.add_parser("demo", help="stream one reply end to end (embedded Redis and upstream)")
     p.add_argument("--message", default="Explain what a durable token stream is.")
-    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=58)
     p.add_argument("--rate", type=float, default=40.0)
     p.set_defaults(command=demo_command)
 

@@ -15,8 +15,16 @@ from redis.asyncio import Redis
 
 from worker.cli import print_event, print_record
 from worker.client import Client, redis_from_settings
-from worker.runner import Worker, cancel_and_wait
+from worker.runner import Worker
 from worker.settings import Settings
+from worker.tasks import cancel_and_wait
+
+DEMO_REPLY = (
+    "A durable token stream keeps every piece of a model's reply in Redis as it arrives. "
+    "Any number of readers follow it live, a reader that drops resumes from the last entry "
+    "id it saw, and the final message, usage and status land in the job record, so a "
+    "crashed worker or a closed browser tab loses nothing."
+)
 
 
 async def run_demo(settings: Settings, message: str, *, tokens: int, rate: float) -> int:
@@ -55,7 +63,7 @@ async def _upstream(
     from worker.mock_upstream import serve_mock
 
     url = await stack.enter_async_context(
-        serve_mock(host="127.0.0.1", port=0, tokens=tokens, rate=rate)
+        serve_mock(host="127.0.0.1", port=0, tokens=tokens, rate=rate, words=DEMO_REPLY)
     )
     print(
         f"demo: using the mock upstream at {url} (set CHATSTREAM_UPSTREAM_URL for a real one)",

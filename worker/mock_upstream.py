@@ -118,6 +118,7 @@ class MockConfig:
     oversized_mb: float = 2.0
     timestamps: bool = False
     finish_reason: str = "stop"
+    words: str = ""  # the reply's words, cycled; empty: "tok0 tok1 ..."
     # server-only settings
     model: str = "mock-model"
     api_key: str | None = None
@@ -145,6 +146,7 @@ REQUEST_OPTIONS: dict[str, str] = {
     "oversized_mb": _FLOAT,
     "timestamps": _BOOL,
     "finish_reason": _STR,
+    "words": _STR,
 }
 _ALIASES = {"stall_after": "fault_after"}
 
@@ -198,7 +200,11 @@ def resolve_options(request: dict[str, Any], config: MockConfig) -> MockConfig:
 # --------------------------------------------------------------------------- content
 
 
-def _token_text(i: int) -> str:
+def _token_text(i: int, words: str = "") -> str:
+    if words:
+        vocabulary = words.split()
+        word = vocabulary[i % len(vocabulary)]
+        return word if i == 0 else f" {word}"
     return f"tok{i}" if i == 0 else f" tok{i}"
 
 
@@ -228,7 +234,7 @@ def _tool_calls(request: dict[str, Any], options: MockConfig) -> list[tuple[str,
 def expected_reply(request: dict[str, Any], config: MockConfig) -> str:
     """The content a successful (non-``timestamps``) request receives."""
     options = resolve_options(request, config)
-    return "".join(_token_text(i) for i in range(options.tokens))
+    return "".join(_token_text(i, options.words) for i in range(options.tokens))
 
 
 def expected_reasoning(request: dict[str, Any], config: MockConfig) -> str:
@@ -407,7 +413,7 @@ def _content_items(ctx: _StreamContext) -> Generator[_Item, None, bool]:
         if options.timestamps:
             text = "".join(f"{time.time():.6f} " for _ in range(count))
         else:
-            text = "".join(_token_text(i) for i in range(start, start + count))
+            text = "".join(_token_text(i, ctx.options.words) for i in range(start, start + count))
         yield ctx.delta('"content":' + _dumps(text), count)
     return (yield from _fault_items(ctx)) if pending else True
 

@@ -24,6 +24,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from worker.accumulator import Delta
 from worker.records import Records, dumps
+from worker.tasks import cancel_and_wait
 
 log = logging.getLogger("chatstream.publisher")
 
@@ -110,8 +111,7 @@ class Publisher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
             self._task = None
 
     async def _run(self) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
-import random
 import secrets
 import signal
 import socket
@@ -34,6 +34,7 @@ from worker.publisher import Publisher
 from worker.queue import Entry, Queue
 from worker.records import Records, Started, as_text
 from worker.settings import Settings
+from worker.tasks import Backoff, cancel_and_wait
 from worker.upstream import UpstreamClient
 
 log = logging.getLogger("chatstream.worker")
@@ -48,33 +49,6 @@ class Running:
     task: asyncio.Task[None]
     job: JobRun | None = None  # set once the attempt started
     lost: bool = False
-
-
-class Backoff:
-    """Exponential, jittered pauses between retries of a failing Redis call."""
-
-    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
-        self.first = first
-        self.cap = cap
-        self.delay = first
-
-    async def pause(self) -> None:
-        await asyncio.sleep(self.delay * random.uniform(0.5, 1.0))
-        self.delay = min(self.cap, self.delay * 2)
-
-    def reset(self) -> None:
-        self.delay = self.first
-
-
-async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel the tasks and wait for them, cancelling again any that ignored it: on Python
-    3.11, ``asyncio.wait_for`` (redis-py wraps socket writes in it) swallows a cancellation
-    that races the write's completion, and the task would then block in its next read."""
-    while pending := [task for task in tasks if not task.done()]:
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=0.1)
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def retry_redis(what: str, call: Callable[[], Awaitable[T]]) -> T:
@@ -454,6 +428,11 @@ async def serve(settings: Settings, redis: Redis) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     await worker.startup()
+    # Objects alive after start-up (modules, settings, pools) live as long as the process:
+    # moving them out of the collector's sight keeps full collections short, which keeps
+    # every stream's delivery-latency tail short (see docs/decisions.md).
+    gc.collect()
+    gc.freeze()
     consume = asyncio.create_task(worker.consume())
     try:
         await consume

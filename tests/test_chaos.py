@@ -1,0 +1,250 @@
+"""Chaos: worker processes SIGKILLed mid-stream, and Redis restarted under load.
+
+Every job must still end ``succeeded`` exactly once with the exact expected content, its
+stream must end with exactly one terminal entry, and the deltas after the stream's last
+``reset`` must merge into exactly the recorded message (a delta applied twice, or one of
+a dead attempt, would show up as duplicated or foreign text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from schemas.events import EventType, StreamEvent
+from schemas.jobs import JobRecord
+from tests.conftest import RedisServer, chat
+from tests.test_cli import CHATSTREAM, clean_env
+from tests.test_recovery import (
+    WorkerProcesses,
+    after_last_reset,
+    eventually,
+    needs_redis_server,
+    queue_is_drained,
+    worker_env,
+)
+from tests.test_worker import check_stream, merge_deltas, stream_entries
+from worker.client import Client, redis_from_settings
+from worker.keys import Keys
+from worker.mock_upstream import MockConfig, expected_reply
+from worker.settings import Settings
+
+MOCK = MockConfig(tokens=64)  # `chatstream mock-upstream`'s default server config
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@asynccontextmanager
+async def mock_process(directory: Path) -> AsyncIterator[str]:
+    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU)."""
+    process = await asyncio.create_subprocess_exec(
+        CHATSTREAM,
+        "mock-upstream",
+        "--port",
+        "0",
+        env=clean_env(),
+        cwd=directory,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert process.stdout is not None
+        line = await asyncio.wait_for(process.stdout.readline(), 20)
+        yield line.decode().rsplit(" ", 1)[-1].strip()
+    finally:
+        process.kill()
+        await process.wait()
+
+
+async def statuses(redis: Redis, keys: Keys, ids: list[str]) -> list[str | None]:
+    pipe = redis.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hget(keys.job(job_id), "status")
+    result: list[str | None] = await pipe.execute()
+    return result
+
+
+async def all_terminal(redis: Redis, keys: Keys, ids: list[str]) -> bool:
+    try:
+        return all(status in TERMINAL for status in await statuses(redis, keys, ids))
+    except RedisError:  # Redis is being restarted
+        return False
+
+
+def check_job(request: dict[str, Any], record: JobRecord, events: list[StreamEvent]) -> None:
+    """Succeeded once, exactly the expected content, the stream agreeing with the record."""
+    assert record.status == "succeeded", (record.id, record.error)
+    assert record.content == expected_reply(request, MOCK), record.id
+    check_stream(events, record)  # one terminal entry, last; merged deltas == record
+    resets = [e for e in events if e.type is EventType.RESET]
+    assert len(resets) == record.attempt - 1, record.id  # one per rerun, no more
+    assert {e.attempt for e in after_last_reset(events)} == {record.attempt}, record.id
+    assert merge_deltas(after_last_reset(events)).content == record.content
+
+
+async def check_all(
+    redis: Redis, keys: Keys, requests: list[dict[str, Any]], ids: list[str]
+) -> list[JobRecord]:
+    client = Client(redis, prefix=keys.prefix)
+    records = []
+    for request, job_id in zip(requests, ids, strict=True):
+        record = await client.get(job_id)
+        check_job(request, record, await stream_entries(redis, keys, job_id))
+        records.append(record)
+    assert await queue_is_drained(redis, keys)
+    assert await redis.xlen(keys.dead) == 0
+    return records
+
+
+# -- workers killed -----------------------------------------------------------------------
+
+JOBS = 1000
+WORKERS = 4
+LEASE = 2.0
+KILL_EVERY = 2.0
+
+
+def chaos_request(i: int) -> dict[str, Any]:
+    """Varied lengths and chunking; one in twenty is slower than the lease."""
+    if i % 20 == 0:
+        return chat(f"slow {i}", tokens=25, rate=10, key=f"c{i}")  # 2.5 s
+    tokens = 5 + (i * 37) % 120
+    return chat(f"job {i}", tokens=tokens, rate=150, chunk_tokens=1 + i % 3, key=f"c{i}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_jobs_survive_workers_killed_every_few_seconds(
+    redis_server: RedisServer | None, redis: Redis, prefix: str, tmp_path: Path
+) -> None:
+    server = needs_redis_server(redis_server)
+    keys, client = Keys(prefix), Client(redis, prefix=prefix)
+    rng = random.Random(1234)
+    kills = 0
+    async with mock_process(tmp_path) as url:
+        env = worker_env(
+            server.url,
+            prefix,
+            url,
+            lease_seconds=LEASE,
+            max_attempts=20,
+            concurrency=8,
+            shutdown_grace_seconds=5,
+            log_level="WARNING",
+        )
+        async with WorkerProcesses.session(tmp_path, env) as group:
+            live = [group.spawn() for _ in range(WORKERS)]
+            for process in live:
+                await group.ready(process, redis, keys)
+            requests = [chaos_request(i) for i in range(JOBS)]
+            ids = [await client.enqueue(r, job_id=f"chaos-{i}") for i, r in enumerate(requests)]
+            started = time.monotonic()
+            while not await all_terminal(redis, keys, ids):
+                assert time.monotonic() - started < 150, "the jobs did not finish"
+                await asyncio.sleep(KILL_EVERY)
+                victim = live.pop(rng.randrange(len(live)))
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.wait()
+                kills += 1
+                live.append(group.spawn())
+            elapsed = time.monotonic() - started
+            for process in live:
+                await group.ready(process, redis, keys)  # its signal handlers are set
+                process.send_signal(signal.SIGTERM)
+            codes = [await asyncio.to_thread(p.wait, 15) for p in live]
+            output = group.output()
+    assert codes == [0] * WORKERS, output
+    assert "Traceback" not in output, output
+    records = await check_all(redis, keys, requests, ids)
+    attempts = Counter(record.attempt for record in records)
+    print(f"\nchaos: {JOBS} jobs in {elapsed:.1f}s, {kills} kills, attempts {dict(attempts)}")
+    assert kills >= 3
+    assert sum(n for attempt, n in attempts.items() if attempt > 1) > 0  # reruns happened
+
+
+# -- Redis restarted ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def aof_server(tmp_path: Path) -> Any:
+    executable = shutil.which("redis-server")
+    if executable is None:
+        pytest.skip("needs redis-server")
+    directory = tmp_path / "aof"
+    directory.mkdir()
+    server = RedisServer(executable, directory, "--appendonly", "yes", "--appendfsync", "always")
+    server.start()
+    yield server
+    server.stop()
+
+
+def outage_request(i: int) -> dict[str, Any]:
+    return chat(f"job {i}", tokens=20 + (i * 37) % 81, rate=60, key=f"o{i}")  # 0.3-1.7 s
+
+
+@pytest.mark.slow
+async def test_jobs_survive_redis_restarts(
+    aof_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """Redis (AOF, fsync always) restarted twice under load: the workers ride it out
+    (reconnect with backoff, reload scripts, resubscribe) and every job finishes; the
+    delta sequence numbers keep retried writes from duplicating content."""
+    keys = Keys(prefix)
+    settings = Settings(_env_file=None, redis_url=aof_server.url, prefix=prefix)
+    redis = redis_from_settings(settings)  # the production client: retries with backoff
+    client = Client(redis, prefix=prefix)
+    jobs = 240
+    try:
+        async with mock_process(tmp_path) as url:
+            env = worker_env(
+                aof_server.url, prefix, url, lease_seconds=30, concurrency=40, log_level="INFO"
+            )
+            async with WorkerProcesses.session(tmp_path, env) as group:
+                workers = [group.spawn() for _ in range(2)]
+                for process in workers:
+                    await group.ready(process, redis, keys)
+                requests = [outage_request(i) for i in range(jobs)]
+                ids = [await client.enqueue(r, job_id=f"out-{i}") for i, r in enumerate(requests)]
+                # a blip redis-py's own retries absorb, then an outage longer than them
+                for fraction, down_for in ((0.2, 1.0), (0.5, 8.0)):
+                    await _until_done(redis, keys, ids, fraction)
+                    await _restart(aof_server, down_for)
+                await eventually(lambda: all_terminal(redis, keys, ids), 90, every=0.2)
+                assert all(p.poll() is None for p in workers), group.output()
+                for process in workers:
+                    process.send_signal(signal.SIGTERM)
+                codes = [await asyncio.to_thread(p.wait, 15) for p in workers]
+                output = group.output()
+        assert codes == [0, 0], output
+        assert "Traceback" not in output, output
+        assert "WARNING" in output  # the outages did reach the workers
+        records = await check_all(redis, keys, requests, ids)
+        assert all(record.attempt == 1 for record in records)  # no lease ran out
+    finally:
+        await redis.aclose()
+
+
+async def _until_done(redis: Redis, keys: Keys, ids: list[str], fraction: float) -> None:
+    async def enough() -> bool:
+        done = sum(status in TERMINAL for status in await statuses(redis, keys, ids))
+        return done >= fraction * len(ids)
+
+    await eventually(enough, 60)
+
+
+async def _restart(server: RedisServer, down_for: float) -> None:
+    await asyncio.to_thread(server.stop)  # SIGTERM: the AOF is complete (fsync always)
+    await asyncio.sleep(down_for)
+    await asyncio.to_thread(server.start)

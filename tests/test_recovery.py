@@ -1,0 +1,705 @@
+"""Crash recovery: leases, reclaim, fencing, duplicate entries, dead letters, hand-backs.
+
+Each test pins one guarantee of docs/reliability.md and fails without the mechanism that
+provides it. Worker processes are real ``chatstream worker`` subprocesses where a worker
+must die (SIGKILL); the rest drive in-process workers against the real redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from schemas.events import EventType, StreamEvent
+from tests.conftest import RedisServer, chat
+from tests.test_cli import CHATSTREAM, clean_env
+from tests.test_worker import check_stream, merge_deltas, stream_entries
+from worker.accumulator import Delta
+from worker.client import Client
+from worker.keys import GROUP, Keys
+from worker.mock_upstream import MockConfig, MockUpstream, expected_reply
+from worker.publisher import Publisher, Terminal
+from worker.queue import Queue
+from worker.records import Records
+from worker.runner import Worker
+from worker.settings import Settings
+
+MOCK = MockConfig(tokens=12)  # the conftest mock_upstream's server defaults
+
+
+# -- helpers (also used by test_chaos and test_shutdown) ----------------------------------
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout: float = 10, every: float = 0.02
+) -> None:
+    """Wait until ``check()`` is true (TimeoutError after ``timeout`` seconds)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            if await check():
+                return
+            await asyncio.sleep(every)
+
+
+async def status_of(redis: Redis, keys: Keys, job_id: str) -> str | None:
+    status: Any = await redis.hget(keys.job(job_id), "status")
+    return None if status is None else str(status)
+
+
+async def queue_is_drained(redis: Redis, keys: Keys) -> bool:
+    """No queue entry left, none pending: every entry was acked and deleted."""
+    pending: Any = await redis.xpending(keys.queue, GROUP)
+    return int(await redis.xlen(keys.queue)) == 0 and pending["pending"] == 0
+
+
+def after_last_reset(events: list[StreamEvent]) -> list[StreamEvent]:
+    resets = [i for i, e in enumerate(events) if e.type is EventType.RESET]
+    return events[resets[-1] + 1 :] if resets else events
+
+
+def worker_env(redis_url: str, prefix: str, upstream_url: str, **settings: Any) -> dict[str, str]:
+    """The environment of a ``chatstream worker`` subprocess: CHATSTREAM_* from kwargs."""
+    env = {
+        **clean_env(),
+        "CHATSTREAM_REDIS_URL": redis_url,
+        "CHATSTREAM_PREFIX": prefix,
+        "CHATSTREAM_UPSTREAM_URL": upstream_url,
+        "CHATSTREAM_BLOCK_MS": "100",
+        "CHATSTREAM_RETRY_INITIAL_BACKOFF": "0.01",
+        "CHATSTREAM_RETRY_MAX_BACKOFF": "0.05",
+    }
+    env.update({f"CHATSTREAM_{name.upper()}": str(value) for name, value in settings.items()})
+    return env
+
+
+class WorkerProcesses:
+    """``chatstream worker`` subprocesses sharing one environment; logs in ``directory``."""
+
+    def __init__(self, directory: Path, env: dict[str, str]) -> None:
+        self.directory = directory
+        self.env = env
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def spawn(self, **settings: Any) -> subprocess.Popen[bytes]:
+        log = self.directory / f"worker-{len(self.processes)}.log"
+        env = {**self.env, **{f"CHATSTREAM_{k.upper()}": str(v) for k, v in settings.items()}}
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                [CHATSTREAM, "worker"],
+                env=env,
+                cwd=self.directory,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.processes.append(process)
+        self.logs.append(log)
+        return process
+
+    async def ready(
+        self, process: subprocess.Popen[bytes], redis: Redis, keys: Keys, timeout: float = 20
+    ) -> None:
+        """Until the process wrote its heartbeat (it consumes from then on)."""
+        marker = f"-{process.pid}-"
+
+        async def beating() -> bool:
+            assert process.poll() is None, self.output()
+            names = await redis.zrange(keys.workers, 0, -1)
+            return any(marker in name for name in names)
+
+        await eventually(beating, timeout, every=0.05)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text()}" for log in self.logs)
+
+    def kill_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    @classmethod
+    @asynccontextmanager
+    async def session(cls, directory: Path, env: dict[str, str]) -> AsyncIterator[WorkerProcesses]:
+        group = cls(directory, env)
+        try:
+            yield group
+        finally:
+            group.kill_all()
+
+
+@asynccontextmanager
+async def consuming(*workers: Worker) -> AsyncIterator[None]:
+    """In-process workers consuming until the block exits, then shut down gracefully."""
+    for worker in workers:
+        await worker.startup()
+    tasks = [asyncio.create_task(worker.consume()) for worker in workers]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for worker in workers:
+            await worker.shutdown()
+
+
+def needs_redis_server(server: RedisServer | None) -> RedisServer:
+    if server is None:
+        pytest.skip("needs a real redis-server")
+    return server
+
+
+# -- leases ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("renew", [True, False], ids=["renewed", "without-renewal"])
+async def test_a_job_outliving_its_lease_on_a_live_worker_runs_once(
+    settings: Settings,
+    redis: Redis,
+    mock_upstream: tuple[MockUpstream, str],
+    monkeypatch: pytest.MonkeyPatch,
+    renew: bool,
+) -> None:
+    """A 3 s job under a 1 s lease, a second worker polling for expired leases: the
+    running worker renews its claim (every lease/3), so the job runs once. The control
+    case switches renewal off and shows the second worker would take the job over."""
+    mock, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url, "lease_seconds": 1.0})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    first, second = Worker(settings, redis, name="first"), Worker(settings, redis, name="second")
+    if not renew:  # no renewal, nor any other way of taking its own idle entry back
+
+        async def nothing(*args: Any) -> list[Any]:
+            return []
+
+        monkeypatch.setattr(first, "_renew_leases", nothing)
+        monkeypatch.setattr(first, "_adopt_stranded", nothing)
+        monkeypatch.setattr(first.queue, "reclaim", nothing)
+    request = chat("slow", tokens=30, rate=10, key="slow")  # about 3 s
+    job_id = await client.enqueue(request)
+    async with consuming(first):
+        await eventually(lambda: _is(redis, keys, job_id, "running"))
+        async with consuming(second):
+            record = await client.result(job_id, timeout=20)
+    events = await stream_entries(redis, keys, job_id)
+    check_stream(events, record)
+    assert record.status == "succeeded"
+    assert record.content == expected_reply(request, MOCK)
+    if renew:
+        assert record.attempt == 1
+        assert record.worker == "first"
+        assert mock.key_requests["slow"] == 1
+        assert EventType.RESET not in [e.type for e in events]
+    else:
+        assert record.attempt >= 2
+        assert record.worker == "second"
+        assert mock.key_requests["slow"] >= 2
+    assert await queue_is_drained(redis, keys)
+
+
+async def _is(redis: Redis, keys: Keys, job_id: str, status: str) -> bool:
+    return await status_of(redis, keys, job_id) == status
+
+
+async def test_a_killed_workers_job_is_reclaimed_after_the_lease_and_rerun_with_a_reset(
+    redis_server: RedisServer | None,
+    settings: Settings,
+    redis: Redis,
+    mock_upstream: tuple[MockUpstream, str],
+    tmp_path: Path,
+) -> None:
+    server = needs_redis_server(redis_server)
+    mock, url = mock_upstream
+    lease = 2.0
+    keys, client = Keys(settings.prefix), Client(redis, prefix=settings.prefix)
+    env = worker_env(server.url, settings.prefix, url, lease_seconds=lease)
+    request = chat("doomed", tokens=60, rate=30, key="doomed")  # about 2 s
+    async with WorkerProcesses.session(tmp_path, env) as group:
+        doomed = group.spawn()
+        await group.ready(doomed, redis, keys)
+        job_id = await client.enqueue(request)
+
+        async def some_deltas() -> bool:
+            return len(await stream_entries(redis, keys, job_id)) >= 3
+
+        await eventually(some_deltas)
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.wait()
+        killed_at = time.time()
+        rescuer_settings = settings.model_copy(update={"upstream_url": url, "lease_seconds": lease})
+        rescuer = Worker(rescuer_settings, redis)
+        async with consuming(rescuer):
+            record = await client.result(job_id, timeout=20)
+
+    events = await stream_entries(redis, keys, job_id)
+    check_stream(events, record)
+    assert record.status == "succeeded"
+    assert record.attempt == 2
+    assert record.worker == rescuer.name
+    [reset] = [e for e in events if e.type is EventType.RESET]
+    before = events[: events.index(reset)]
+    assert before and {(e.type, e.attempt) for e in before} == {(EventType.DELTA, 1)}
+    after = after_last_reset(events)
+    assert {e.attempt for e in after} == {2}
+    assert merge_deltas(events).content == record.content == expected_reply(request, MOCK)
+    # taken over only once the lease ran out: the last renewal was at most lease/3 ago
+    reclaimed_at = int(reset.id.split("-")[0]) / 1000
+    assert lease * 2 / 3 - 0.2 <= reclaimed_at - killed_at <= lease + 2.0
+    assert mock.key_requests["doomed"] == 2
+    assert await queue_is_drained(redis, keys)
+
+
+async def test_a_worker_does_not_run_its_own_reclaimed_entry_twice(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> None:
+    """A stalled worker may XAUTOCLAIM an entry it still runs; it must not start it again."""
+    mock, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    worker = Worker(settings, redis)
+    request = chat("once", tokens=20, rate=20, key="once")  # about 1 s
+    job_id = await client.enqueue(request)
+    async with consuming(worker):
+        await eventually(lambda: _is(redis, keys, job_id, "running"))
+        [entry_id] = list(worker.running)
+        # as if the event loop had stalled past the lease: the entry looks expired
+        await redis.xclaim(keys.queue, GROUP, worker.name, 0, [entry_id], idle=60_000)
+
+        async def reclaimed() -> bool:  # by the worker's own consume loop (XAUTOCLAIM)
+            rows: Any = await redis.xpending_range(keys.queue, GROUP, "-", "+", 1)
+            return bool(rows) and int(rows[0]["times_delivered"]) >= 2
+
+        await eventually(reclaimed)
+        assert list(worker.running) == [entry_id]
+        record = await client.result(job_id, timeout=10)
+    assert record.status == "succeeded"
+    assert record.attempt == 1
+    assert mock.key_requests["once"] == 1
+
+
+# -- fencing ------------------------------------------------------------------------------
+
+
+async def test_a_stale_attempt_cannot_touch_the_newer_attempts_record_or_stream(
+    settings: Settings, redis: Redis
+) -> None:
+    keys = Keys(settings.prefix)
+    client = Client.from_settings(settings, redis)
+    records = Records(redis, keys, settings.retention_seconds)
+    await records.load_scripts()
+    publisher = Publisher(redis, records)
+    publisher.start()
+    try:
+        job_id = await client.enqueue(chat("fenced"))
+        first = await records.start(job_id, "w1", 5, "1-1")
+        assert (first.state, first.attempt) == ("started", 1)
+        old = publisher.open(job_id, 1)
+        publisher.publish(old, Delta(role="assistant", content="old "))
+        await eventually(lambda: _entries(redis, keys, job_id, 1))
+
+        second = await records.start(job_id, "w2", 5, "1-1")  # the entry was taken over
+        assert (second.state, second.attempt) == ("started", 2)
+        before = await redis.xrange(keys.events(job_id))
+        record_before = await records.fetch(job_id)
+
+        # every kind of write the stale attempt can still make is refused
+        publisher.publish(old, Delta(content="stale delta"))
+        terminal = Terminal(
+            "done", {"finish_reason": "stop", "usage": None}, _fields("stale result")
+        )
+        assert await publisher.finish(old, terminal) is False
+        assert old.stale
+        assert await records.release(job_id, 1) is False
+        pipe = redis.pipeline(transaction=False)
+        records.queue_delta(pipe, job_id, 1, 99, json.dumps({"content": "forged"}))
+        assert await pipe.execute() == [-1]
+        assert await redis.xrange(keys.events(job_id)) == before
+        assert await records.fetch(job_id) == record_before
+
+        # the current attempt writes normally
+        new = publisher.open(job_id, 2)
+        publisher.publish(new, Delta(role="assistant", content="new"))
+        final = Terminal("done", {"finish_reason": "stop", "usage": None}, _fields("new"))
+        assert await publisher.finish(new, final) is True
+    finally:
+        await publisher.stop()
+    record = await client.get(job_id)
+    assert (record.status, record.attempt, record.content) == ("succeeded", 2, "new")
+    events = await stream_entries(redis, keys, job_id)
+    check_stream(events, record)
+    assert [(e.type, e.attempt) for e in events] == [
+        (EventType.DELTA, 1),
+        (EventType.RESET, 2),
+        (EventType.DELTA, 2),
+        (EventType.DONE, 2),
+    ]
+
+
+def _fields(content: str) -> dict[str, str]:
+    return {
+        "status": "succeeded",
+        "content": content,
+        "finish_reason": "stop",
+        "finished_at": f"{time.time():.6f}",
+    }
+
+
+async def _entries(redis: Redis, keys: Keys, job_id: str, count: int) -> bool:
+    return int(await redis.xlen(keys.events(job_id))) >= count
+
+
+async def test_a_delta_write_retried_after_a_lost_reply_is_applied_once(
+    settings: Settings, redis: Redis
+) -> None:
+    keys = Keys(settings.prefix)
+    records = Records(redis, keys, settings.retention_seconds)
+    await records.load_scripts()
+    job_id = await Client.from_settings(settings, redis).enqueue(chat("once"))
+    await records.start(job_id, "w", 3, "1-1")
+    for _ in range(2):  # the same batch twice, as after a reply lost to a Redis restart
+        pipe = redis.pipeline(transaction=False)
+        records.queue_delta(pipe, job_id, 1, 1, json.dumps({"content": "a"}))
+        records.queue_delta(pipe, job_id, 1, 2, json.dumps({"content": "b"}))
+        results = await pipe.execute()
+    assert results == [0, 0]
+    events = await stream_entries(redis, keys, job_id)
+    assert merge_deltas(events).content == "ab"
+
+
+async def test_duplicate_queue_entries_of_a_job_run_it_once(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> None:
+    """Two entries for one job (a retried XADD, a racing enqueue): while the job runs
+    under one entry, a start from the other is refused (``busy``) and that entry dropped."""
+    mock, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    request = chat("dup", tokens=20, rate=40, key="dup")
+    job_id = await client.enqueue(request)
+    first, second = Worker(settings, redis), Worker(settings, redis)
+    async with consuming(first):
+        await eventually(lambda: _is(redis, keys, job_id, "running"))
+        await Queue(redis, keys, "client").add(job_id)  # the duplicate
+        async with consuming(second):
+            record = await client.result(job_id, timeout=10)
+            await eventually(lambda: queue_is_drained(redis, keys))
+    assert (record.status, record.attempt) == ("succeeded", 1)
+    assert mock.key_requests["dup"] == 1
+    check_stream(await stream_entries(redis, keys, job_id), record)
+
+
+async def test_an_entry_taken_over_by_another_worker_is_not_acked_by_the_old_owner(
+    settings: Settings, redis: Redis
+) -> None:
+    keys = Keys(settings.prefix)
+    old, new = Queue(redis, keys, "old"), Queue(redis, keys, "new")
+    await old.ensure_group()
+    await old.add("job-1")
+    [entry] = await old.read(1, 10)
+    [taken] = await new.reclaim(1, 0)
+    assert taken.entry_id == entry.entry_id
+    assert await old.ack(entry.entry_id) is False
+    assert await old.requeue(entry.entry_id, "job-1") is None
+    assert await old.renew([entry.entry_id]) == [entry.entry_id]  # lost
+    rows: Any = await redis.xpending_range(keys.queue, GROUP, "-", "+", 10)
+    assert [(r["message_id"], r["consumer"]) for r in rows] == [(entry.entry_id, "new")]
+    assert await redis.xlen(keys.queue) == 1
+    assert await new.ack(entry.entry_id) is True
+    assert await queue_is_drained(redis, keys)
+
+
+async def test_a_terminal_write_retried_after_it_landed_still_acks_the_entry(
+    settings: Settings,
+    redis: Redis,
+    mock_upstream: tuple[MockUpstream, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retried terminal write finds the job already finished by itself ("stale"): the
+    entry is acked at once rather than left for a lease to expire."""
+    _, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    worker = Worker(settings, redis)
+    real_finish = worker.publisher.finish
+
+    async def finish_then_lose_the_reply(stream: Any, terminal: Terminal) -> bool:
+        assert await real_finish(stream, terminal)
+        return False
+
+    monkeypatch.setattr(worker.publisher, "finish", finish_then_lose_the_reply)
+    job_id = await client.enqueue(chat("retried"))
+    await worker.startup()
+    try:
+        await worker.run_burst()
+    finally:
+        await worker.shutdown()
+    assert (await client.get(job_id)).status == "succeeded"
+    assert await queue_is_drained(redis, keys)
+
+
+async def test_a_redis_error_while_starting_a_job_is_retried(
+    settings: Settings,
+    redis: Redis,
+    mock_upstream: tuple[MockUpstream, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    worker = Worker(settings, redis)
+    real_start = worker.records.start
+    failures = [RedisConnectionError("Connection reset by peer")] * 2
+
+    async def flaky_start(*args: Any) -> Any:
+        if len(failures) == 1:
+            await real_start(*args)  # applied, but the reply is lost
+        if failures:
+            raise failures.pop()
+        return await real_start(*args)
+
+    monkeypatch.setattr(worker.records, "start", flaky_start)
+    job_id = await client.enqueue(chat("flaky"))
+    await worker.startup()
+    try:
+        await worker.run_burst()
+    finally:
+        await worker.shutdown()
+    record = await client.get(job_id)
+    assert (record.status, record.attempt) == ("succeeded", 1)  # the retry started no other
+    assert await queue_is_drained(redis, keys)
+
+
+# -- hand-backs ---------------------------------------------------------------------------
+
+
+async def test_entries_held_but_not_running_at_shutdown_are_handed_back_at_once(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> None:
+    """A read cut short by shutdown (entries delivered, no task yet) and a start cut short
+    (the attempt began in Redis, its task was cancelled): both go back to the queue at
+    shutdown, and another worker runs them without waiting for a lease to expire."""
+    mock, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url, "lease_seconds": 60})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    unread, unstarted = chat("unread", key="unread"), chat("unstarted", key="unstarted")
+    unread_id = await client.enqueue(unread)
+    unstarted_id = await client.enqueue(unstarted)
+    leaving = Worker(settings, redis)
+    await leaving.startup()
+    entries = await leaving.queue.read(2, 10)
+    assert [e.job_id for e in entries] == [unread_id, unstarted_id]
+    begun = await leaving.records.start(unstarted_id, leaving.name, 3, entries[1].entry_id)
+    assert begun.attempt == 1
+    await leaving.shutdown()
+
+    assert await leaving.queue.owned() == []
+    assert await redis.xlen(keys.queue) == 2  # two fresh entries
+    assert await status_of(redis, keys, unstarted_id) == "queued"
+    taking_over = Worker(settings, redis)
+    await taking_over.startup()
+    try:
+        started = time.monotonic()
+        assert await taking_over.run_burst() == 2
+        assert time.monotonic() - started < 5  # not after the 60 s lease
+    finally:
+        await taking_over.shutdown()
+    for job_id, request, attempt in ((unread_id, unread, 1), (unstarted_id, unstarted, 2)):
+        record = await client.get(job_id)
+        assert (record.status, record.attempt) == ("succeeded", attempt)
+        assert record.content == expected_reply(request, MOCK)
+        check_stream(await stream_entries(redis, keys, job_id), record)
+    assert mock.key_requests == {"unread": 1, "unstarted": 1}
+    assert await queue_is_drained(redis, keys)
+    consumers: Any = await redis.xinfo_consumers(keys.queue, GROUP)
+    assert leaving.name not in [c["name"] for c in consumers]  # left the group cleanly
+
+
+async def test_a_release_of_a_stale_attempt_is_refused(settings: Settings, redis: Redis) -> None:
+    keys = Keys(settings.prefix)
+    records = Records(redis, keys, settings.retention_seconds)
+    job_id = await Client.from_settings(settings, redis).enqueue(chat("r"))
+    await records.start(job_id, "w1", 5, "1-1")
+    assert await records.release(job_id, 1) is True
+    assert await records.release(job_id, 1) is True  # a retry after a lost reply
+    await records.start(job_id, "w2", 5, "2-1")
+    assert await records.release(job_id, 1) is False
+    assert await records.hand_back(job_id, "1-1") is False  # runs under another entry
+    assert (await records.fetch(job_id))["status"] == "running"
+
+
+# -- attempts exhausted, dead letters -------------------------------------------------------
+
+
+async def test_a_job_whose_workers_keep_dying_is_dead_lettered_and_can_be_requeued(
+    redis_server: RedisServer | None,
+    settings: Settings,
+    redis: Redis,
+    mock_upstream: tuple[MockUpstream, str],
+    tmp_path: Path,
+) -> None:
+    server = needs_redis_server(redis_server)
+    mock, url = mock_upstream
+    lease = 0.3
+    settings = settings.model_copy(
+        update={"upstream_url": url, "lease_seconds": lease, "max_attempts": 2}
+    )
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    records = Records(redis, keys, settings.retention_seconds)
+    request = chat("poison", key="poison")
+    job_id = await client.enqueue(request)
+    await Queue(redis, keys, "x").ensure_group()
+    for n in (1, 2):  # two workers start the job and die without a trace
+        dying = Queue(redis, keys, f"dying-{n}")
+        [entry] = await (dying.read(1, 10) if n == 1 else dying.reclaim(1, int(lease * 1000)))
+        assert (await records.start(job_id, dying.consumer, 2, entry.entry_id)).attempt == n
+        await asyncio.sleep(lease + 0.05)
+
+    worker = Worker(settings, redis)
+    await worker.startup()
+    try:
+        await worker.run_burst()
+    finally:
+        await worker.shutdown()
+    record = await client.get(job_id)
+    assert record.status == "failed"
+    assert record.error is not None and record.error["code"] == "attempts_exhausted"
+    assert record.attempt == 2
+    check_stream(await stream_entries(redis, keys, job_id), record)
+    assert mock.key_requests["poison"] == 0
+    assert await queue_is_drained(redis, keys)
+    [letter] = await client.dead_letters()
+    assert letter.job_id == job_id and letter.reason["code"] == "attempts_exhausted"
+
+    env = {
+        **clean_env(),
+        "CHATSTREAM_REDIS_URL": server.url,
+        "CHATSTREAM_PREFIX": settings.prefix,
+    }
+    listed = await _cli(env, tmp_path, "dead", "--json")
+    assert [json.loads(line)["job"] for line in listed.splitlines()] == [job_id]
+    assert job_id in await _cli(env, tmp_path, "dead")
+    assert (await _cli(env, tmp_path, "dead", "--requeue", job_id)).strip() == "requeued"
+    assert await _cli(env, tmp_path, "dead", "--json") == ""
+    refused = await _cli(env, tmp_path, "dead", "--requeue", job_id, expect=1)
+    assert "queued" in refused
+
+    worker = Worker(settings, redis)
+    await worker.startup()
+    try:
+        await worker.run_burst()
+    finally:
+        await worker.shutdown()
+    record = await client.get(job_id)
+    assert (record.status, record.attempt) == ("succeeded", 3)  # the counter stays monotonic
+    assert record.content == expected_reply(request, MOCK)
+    events = await stream_entries(redis, keys, job_id)
+    check_stream(events, record)
+    assert events[0].type is EventType.RESET  # the failed run's stream was void
+    assert await redis.xlen(keys.dead) == 0
+    assert await queue_is_drained(redis, keys)
+
+
+async def _cli(env: dict[str, str], cwd: Path, *args: str, expect: int = 0) -> str:
+    process = await asyncio.create_subprocess_exec(
+        CHATSTREAM,
+        *args,
+        env=env,
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 20)
+    assert process.returncode == expect, err.decode()
+    return (out if expect == 0 else err).decode()
+
+
+async def test_an_exhausted_job_is_dead_lettered_even_if_the_first_reply_was_lost(
+    settings: Settings, redis: Redis
+) -> None:
+    """The record goes failed in the start script; the dead-letter entry is written after.
+    Whoever next meets the entry writes it if it is still missing (``dead_pending``)."""
+    keys = Keys(settings.prefix)
+    records = Records(redis, keys, settings.retention_seconds)
+    job_id = await Client.from_settings(settings, redis).enqueue(chat("p"))
+    await records.start(job_id, "w", 1, "1-1")
+    exhausted = await records.start(job_id, "w", 1, "1-1")
+    assert (exhausted.state, exhausted.dead_pending) == ("exhausted", True)
+    # the reply was lost: the retry finds the job terminal, the dead letter still due
+    retried = await records.start(job_id, "w", 1, "1-1")
+    assert (retried.state, retried.dead_pending) == ("terminal", True)
+    worker = Worker(settings, redis)
+    await worker._dead_letter(job_id, retried.attempt)
+    again = await records.start(job_id, "w", 1, "1-1")
+    assert (again.state, again.dead_pending) == ("terminal", False)
+    assert await redis.xlen(keys.dead) == 1
+
+
+async def test_an_entry_whose_delivery_reply_was_lost_runs_within_half_a_lease(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> None:
+    """XREADGROUP delivered an entry (it is in our pending list) but the reply was lost to
+    a Redis restart: the worker never saw it. It adopts it after half a lease instead of
+    leaving it for a reclaim after the whole lease."""
+    mock, url = mock_upstream
+    lease = 4.0
+    settings = settings.model_copy(update={"upstream_url": url, "lease_seconds": lease})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    worker = Worker(settings, redis)
+    await worker.queue.ensure_group()
+    job_id = await client.enqueue(chat("lost", key="lost"))
+    lost: Any = await redis.xreadgroup(GROUP, worker.name, {keys.queue: ">"}, count=1)
+    assert lost and lost[0][1][0][1]["job"] == job_id
+    delivered = time.monotonic()
+    async with consuming(worker):
+        record = await client.result(job_id, timeout=10)
+    took = time.monotonic() - delivered
+    assert lease / 2 - 0.2 <= took < lease - 0.5
+    assert (record.status, record.attempt, record.worker) == ("succeeded", 1, worker.name)
+    assert mock.key_requests["lost"] == 1
+    assert await queue_is_drained(redis, keys)
+
+
+async def test_a_start_retried_after_a_lost_reply_starts_no_second_attempt(
+    settings: Settings, redis: Redis
+) -> None:
+    """redis-py resends a command whose reply was lost; the start script recognises its
+    own token and answers the attempt it already started (no extra attempt, no reset)."""
+    keys = Keys(settings.prefix)
+    records = Records(redis, keys, settings.retention_seconds)
+    job_id = await Client.from_settings(settings, redis).enqueue(chat("s"))
+    args: list[str | int] = ["w", f"{time.time():.6f}", 3, settings.retention_seconds, "1-1", "t1"]
+    first = await records._start(keys=records.job_keys(job_id), args=args)
+    again = await records._start(keys=records.job_keys(job_id), args=args)
+    assert first == again == ["started", 1, first[2], "default"]
+    assert await redis.xlen(keys.events(job_id)) == 0  # no reset
+    other = await records.start(job_id, "w", 3, "1-1")  # a genuinely new start
+    assert other.attempt == 2
+
+
+async def test_consumers_of_dead_workers_are_pruned_but_not_those_holding_entries(
+    settings: Settings, redis: Redis
+) -> None:
+    keys = Keys(settings.prefix)
+    alive, holding = Queue(redis, keys, "alive"), Queue(redis, keys, "holding")
+    await alive.ensure_group()
+    await redis.xgroup_createconsumer(keys.queue, GROUP, "dead")
+    await holding.add("job-1")
+    await holding.read(1, 10)
+    await asyncio.sleep(0.05)
+    assert await alive.prune(idle_ms=20) == 1
+    consumers: Any = await redis.xinfo_consumers(keys.queue, GROUP)
+    assert sorted(c["name"] for c in consumers) == ["holding"]  # "alive" never read yet
+    assert await holding.prune(idle_ms=60_000) == 0

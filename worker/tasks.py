@@ -1,0 +1,33 @@
+"""Small asyncio helpers shared by the worker's long-running tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+
+class Backoff:
+    """Exponential, jittered pauses between retries of a failing Redis call."""
+
+    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
+        self.first = first
+        self.cap = cap
+        self.delay = first
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self.delay * random.uniform(0.5, 1.0))
+        self.delay = min(self.cap, self.delay * 2)
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the tasks and wait for them, cancelling again any that ignored it: on Python
+    3.11, ``asyncio.wait_for`` (redis-py wraps socket writes in it) swallows a cancellation
+    that races the write's completion, and the task would then block in its next read."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.1)
+    await asyncio.gather(*tasks, return_exceptions=True)
