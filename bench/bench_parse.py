@@ -7,8 +7,9 @@ not measured), go through three pipelines; each is timed with ``time.perf_counte
 the best of several runs is reported as chunks (SSE data events) per second:
 
 ours
-    ``worker.sse.SSEDecoder.feed`` on each read, ``Accumulator.feed_data(event.data)`` on
-    each event (JSON parsing, ``[DONE]``, folding into the final message and building the
+    what ``worker/pipeline.py`` does: ``worker.sse.SSEDecoder.feed`` on each read,
+    ``Accumulator.fold(event.data)`` on each event (JSON parsing, ``[DONE]``, folding into
+    the final message) and ``Accumulator.take_delta()`` once per read (the read's merged
     delta to publish), then ``SSEDecoder.flush`` and ``Accumulator.finish``.
 httpx-sse + json.loads (decoding only, no accumulation)
     what ``httpx_sse.EventSource.iter_sse`` does per read: ``httpx._decoders.TextDecoder``
@@ -180,12 +181,14 @@ def split(data: bytes, size: int) -> list[bytes]:
 
 
 def run_ours(reads: list[bytes]) -> FinalMessage:
+    # what worker/pipeline.py does per upstream read: fold its events, take one delta
     decoder = SSEDecoder()
     accumulator = Accumulator()
-    feed = accumulator.feed_data
+    fold, take = accumulator.fold, accumulator.take_delta
     for read in reads:
         for event in decoder.feed(read):
-            feed(event.data)
+            fold(event.data)
+        take()
     decoder.flush()
     return accumulator.finish()
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.chunks import ChatCompletionChunk
-from worker.accumulator import Accumulator, Delta, FinalMessage
+from worker.accumulator import Accumulator, Delta, FinalMessage, merge_all
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
@@ -628,6 +628,43 @@ def test_vectors(datas: list[str], final: dict[str, Any], deltas: list[dict[str,
     assert final_calls(merged) == message.tool_calls
 
 
+@given(data=st.data())
+@pytest.mark.parametrize(("datas", "final", "deltas"), VECTORS)
+def test_fold_and_take_at_any_points_equals_feed_data(
+    datas: list[str], final: dict[str, Any], deltas: list[dict[str, Any]], data: st.DataObject
+) -> None:
+    """fold()/take_delta() (one delta per network read) give the same final message as
+    feed_data(), and the taken deltas merge to it, wherever the takes fall."""
+    acc, merged = Accumulator(), Delta()
+    for item in datas:
+        acc.fold(item)
+        if data.draw(st.booleans()):
+            taken = acc.take_delta()
+            if taken is not None:
+                merged.merge(Delta.from_json(taken.to_json()))
+    last = acc.take_delta()
+    if last is not None:
+        merged.merge(last)
+    assert acc.take_delta() is None
+    message = acc.finish()
+    assert {key: getattr(message, key) for key in final} == final
+    assert merged.content == message.content
+    assert merged.reasoning_details == message.reasoning
+    assert final_calls(merged) == message.tool_calls
+    assert merged.role == (message.role if any("role" in d for d in deltas) else None)
+
+
+def test_what_was_folded_before_an_invalid_chunk_can_still_be_taken() -> None:
+    acc = Accumulator()
+    acc.fold(chunk({"role": "assistant", "content": "a"}))
+    acc.fold(chunk({"content": "b"}))
+    with pytest.raises(ProtocolError):
+        acc.fold("{broken")
+    taken = acc.take_delta()
+    assert taken is not None and taken.to_json() == {"role": "assistant", "content": "ab"}
+    assert acc.finish().content == "ab"
+
+
 def test_state_properties_and_exception() -> None:
     acc = Accumulator()
     assert not (acc.done or acc.finished or acc.errored)
@@ -902,3 +939,15 @@ def test_arbitrary_text_raises_only_protocol_error(texts: list[str]) -> None:
 def test_deep_nesting_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError):
         Accumulator().feed_data("[" * 100_000)
+
+
+@settings(max_examples=500, deadline=None)
+@given(deltas=st.lists(DELTA, max_size=12))
+def test_merge_all_equals_merging_one_by_one(deltas: list[dict[str, Any]]) -> None:
+    acc = Accumulator()
+    published = [acc.add_chunk({"choices": [{"index": 0, "delta": d}]}) for d in deltas]
+    events = [d for d in published if d is not None]
+    one_by_one = Delta()
+    for event in events:
+        one_by_one.merge(Delta.from_json(event.to_json()))
+    assert merge_all([Delta.from_json(e.to_json()) for e in events]) == one_by_one

@@ -50,6 +50,7 @@ merging them in order yields the final content, reasoning and tool calls.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,6 +65,7 @@ _EXTRA_KEYS = ("web_search", "free_tier")
 # a chunk with any of these keys takes the general path
 _TRAILER_KEYS = frozenset({"usage", "error", *_EXTRA_KEYS})
 _ARGS_ONLY = frozenset({"arguments"})
+_SKIP: Any = object()  # _parse(): nothing to fold
 _REASONING_DELTA_KEYS = frozenset(
     {"reasoning_details", "reasoning", "reasoning_content", "content", "role"}
 )
@@ -183,6 +185,67 @@ class Delta:
         ):
             raise _bad("delta fragments must be objects (tool calls with an index)", data)
         return cls(role, content, [dict(r) for r in reasoning], [_copy_call(t) for t in tools])
+
+
+def merge_all(deltas: list[Delta]) -> Delta:
+    """``Delta.merge`` of all ``deltas`` in order, in linear time (text joined once)."""
+    role = next((d.role for d in deltas if d.role is not None), None)
+    merged = Delta(role, "".join(d.content for d in deltas))
+    merged.tool_calls = _merge_all_tools(frag for d in deltas for frag in d.tool_calls)
+    merged.reasoning_details = _merge_all_reasoning(
+        frag for d in deltas for frag in d.reasoning_details
+    )
+    return merged
+
+
+def _merge_all_tools(frags: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    calls: dict[int, dict[str, Any]] = {}
+    args: dict[int, list[str]] = {}
+    for frag in frags:
+        index = frag["index"]
+        call = calls.get(index)
+        if call is None:
+            call = calls[index] = _copy_call(frag)
+            fn = call.get("function")
+            args[index] = [fn.pop("arguments")] if fn and "arguments" in fn else []
+            continue
+        for key in ("id", "type"):
+            if frag.get(key) and not call.get(key):
+                call[key] = frag[key]
+        fn = frag.get("function")
+        if fn:
+            dest = call.setdefault("function", {})
+            if fn.get("name") and not dest.get("name"):
+                dest["name"] = fn["name"]
+            if fn.get("arguments"):
+                args[index].append(fn["arguments"])
+    for index, parts in args.items():
+        if parts:
+            calls[index].setdefault("function", {})["arguments"] = "".join(parts)
+    return list(calls.values())
+
+
+def _merge_all_reasoning(frags: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = []
+    parts: list[dict[str, list[str]]] = []
+    for frag in frags:
+        if entries and _joins(entries[-1], frag):
+            entry, texts = entries[-1], parts[-1]
+            for key, value in frag.items():
+                if value is None:
+                    continue
+                if key in _CONCAT_KEYS:
+                    texts.setdefault(key, []).append(value)
+                elif entry.get(key) is None:
+                    entry[key] = value
+            continue
+        entry = dict(frag)
+        entries.append(entry)
+        parts.append({key: [entry.pop(key)] for key in _CONCAT_KEYS if entry.get(key) is not None})
+    for entry, texts in zip(entries, parts, strict=True):
+        for key, values in texts.items():
+            entry[key] = "".join(values)
+    return entries
 
 
 # --- final message ------------------------------------------------------------------------
@@ -309,6 +372,11 @@ class Accumulator:
         self._extras: dict[str, Any] = {}
         self._completion_id: str | None = None
         self._model: str | None = None
+        # folded by fold(), not yet taken: general deltas, then fast fragments' parts
+        self._held: list[Delta] = []
+        self._held_text: list[str] = []
+        self._held_args: dict[int, list[str]] = {}
+        self._held_reasoning: tuple[dict[str, Any], list[str]] | None = None
 
     @property
     def done(self) -> bool:
@@ -331,18 +399,87 @@ class Accumulator:
 
     def feed_data(self, data: str) -> Delta | None:
         """Take one SSE event's data field; return the delta to publish, if any."""
-        if self._closed:
+        chunk = self._parse(data)
+        return None if chunk is _SKIP else self.add_chunk(chunk)
+
+    def fold(self, data: str) -> bool:
+        """Like :meth:`feed_data`, but the delta is held: :meth:`take_delta` returns all
+        that was folded since the last take, merged (the publisher's coalescing, done
+        here without one ``Delta`` per chunk). Returns whether the chunk added output."""
+        chunk = self._parse(data)
+        if chunk is _SKIP:
+            return False
+        fast = self._fast_fold(chunk)
+        if fast is not None:
+            if fast[0] == "text":
+                self._held_text.append(fast[1])
+            else:
+                self._hold_fast(*fast)
+            return True
+        delta = self.add_chunk(chunk)
+        if delta is None:
+            return False
+        self._flush_fast()
+        if delta.content:
+            self._held_text.append(delta.content)
+            delta.content = ""
+        self._held.append(delta)
+        return True
+
+    def _hold_fast(self, kind: str, value: Any) -> None:
+        if kind == "args":
+            self._held_args.setdefault(value[0], []).append(value[1])
+        elif self._held_reasoning is None:
+            self._held_reasoning = (value, [value.pop("text")])
+        else:
+            template, texts = self._held_reasoning
+            texts.append(value.pop("text"))
+            template.update(value)
+
+    def _flush_fast(self) -> None:
+        """Held fast fragments become a delta, before a general one (order is kept)."""
+        if not self._held_args and self._held_reasoning is None:
+            return
+        calls = [
+            {"index": index, "function": {"arguments": "".join(parts)}}
+            for index, parts in self._held_args.items()
+        ]
+        reasoning = []
+        if self._held_reasoning is not None:
+            template, texts = self._held_reasoning
+            reasoning.append({**template, "text": "".join(texts)})
+        if calls or reasoning:
+            self._held.append(Delta(None, "", reasoning, calls))
+        self._held_args, self._held_reasoning = {}, None
+
+    def take_delta(self) -> Delta | None:
+        """Everything :meth:`fold` took in since the last call, as one delta (or None)."""
+        self._flush_fast()
+        if not (self._held or self._held_text):
             return None
+        count = len(self._held)
+        if count == 0:
+            held = Delta(None, "".join(self._held_text))
+            self._held_text = []
+            return held
+        held = self._held[0] if count == 1 else merge_all(self._held)
+        held.content = "".join(self._held_text)
+        self._held, self._held_text = [], []
+        return held
+
+    def _parse(self, data: str) -> Any:
+        """The decoded chunk, or _SKIP for ``[DONE]``, blank data and data after the end."""
+        if self._closed:
+            return _SKIP
         if data == DONE:
             self._done = self._closed = True
-            return None
+            return _SKIP
         try:
-            chunk = from_json(data)
+            return from_json(data)
         except (ValueError, RecursionError) as exc:
             if not data.strip():
-                return None
+                return _SKIP
             raise ProtocolError(f"invalid JSON in SSE data: {snippet(data)}") from exc
-        return self.add_chunk(chunk)
 
     def add_chunk(self, chunk: dict[str, Any]) -> Delta | None:
         """Fold one decoded chunk; return the delta to publish, if any."""
@@ -361,9 +498,23 @@ class Accumulator:
         return delta
 
     def _fast_path(self, chunk: Any) -> Delta | None:
+        """:meth:`_fast_fold` as a delta."""
+        fast = self._fast_fold(chunk)
+        if fast is None:
+            return None
+        kind, value = fast
+        if kind == "text":
+            return Delta(None, value)
+        if kind == "args":
+            index, args = value
+            return Delta(None, "", [], [{"index": index, "function": {"arguments": args}}])
+        return Delta(None, "", [value])
+
+    def _fast_fold(self, chunk: Any) -> tuple[str, Any] | None:
         """The common chunk in a few checks: one choice whose delta is only a text,
-        tool-arguments or same-kind reasoning fragment, and nothing else to take.
-        Returns None whenever the general path must decide (same result, only slower)."""
+        tool-arguments or same-kind reasoning fragment, and nothing else to take. Folds it
+        and returns ("text", str), ("args", (index, str)) or ("reasoning", fragment);
+        None whenever the general path must decide (same result, only slower)."""
         if self._model is None or self._completion_id is None:
             return None
         delta = _single_plain_delta(chunk)
@@ -373,7 +524,7 @@ class Accumulator:
         if len(delta) == 1:
             if type(content) is str and content:
                 self._content.append(content)
-                return Delta(None, content)
+                return "text", content
             tools = delta.get("tool_calls")
             if type(tools) is list and len(tools) == 1:
                 return self._fast_arguments(tools[0])
@@ -388,7 +539,7 @@ class Accumulator:
             return self._fast_reasoning(details[0])
         return None
 
-    def _fast_arguments(self, frag: Any) -> Delta | None:
+    def _fast_arguments(self, frag: Any) -> tuple[str, Any] | None:
         """``{"index": i, "function": {"arguments": "..."}}`` for a call already open."""
         if type(frag) is not dict or len(frag) != 2:
             return None
@@ -401,9 +552,9 @@ class Accumulator:
             return None
         call.args.append(args)
         self._last_call = index
-        return Delta(None, "", [], [{"index": index, "function": {"arguments": args}}])
+        return "args", (index, args)
 
-    def _fast_reasoning(self, frag: Any) -> Delta | None:
+    def _fast_reasoning(self, frag: Any) -> tuple[str, Any] | None:
         """A text fragment continuing the last entry, its other keys equal to the entry's."""
         entries = self._reasoning
         if type(frag) is not dict or not entries:
@@ -423,7 +574,7 @@ class Accumulator:
         if "index" not in out and entry.get("index") is not None:
             out["index"] = entry["index"]
         entry["text"].append(text)
-        return Delta(None, "", [out])
+        return "reasoning", out
 
     def _take_ids(self, chunk: dict[str, Any]) -> None:
         cid, model = chunk.get("id"), chunk.get("model")

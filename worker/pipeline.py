@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -136,27 +136,31 @@ async def stream_once(
     limit = services.settings.max_event_bytes
     decoder = SSEDecoder(limit)
     publisher = services.publisher
-    timing = job.timing
     async with services.upstream.stream(job.upstream, body) as chunks:
         job.opened = True
         async for data in chunks:
             events = decoder.feed(data) if len(data) <= limit else _sliced(decoder, data, limit)
-            for event in events:
-                delta = acc.feed_data(event.data)
-                if delta is not None:
-                    publisher.publish(job.stream, delta)
-                    timing.deltas += 1
-            timing.saw_output()
+            _fold_and_publish(events, acc, publisher, job)
             if acc.done or acc.errored:
                 break
-    for event in decoder.flush():
-        delta = acc.feed_data(event.data)
-        if delta is not None:
-            publisher.publish(job.stream, delta)
-            timing.deltas += 1
-    timing.saw_output()
+    _fold_and_publish(decoder.flush(), acc, publisher, job)
     if not (acc.done or acc.errored or acc.finish_reason):
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
+
+
+def _fold_and_publish(
+    events: Iterable[ServerSentEvent], acc: Accumulator, publisher: Publisher, job: JobRun
+) -> None:
+    """Fold one read's events and publish what they added as one delta; what was folded
+    before an invalid event is still published (the record and the stream agree)."""
+    try:
+        for event in events:
+            job.timing.deltas += acc.fold(event.data)
+    finally:
+        delta = acc.take_delta()
+        if delta is not None:
+            publisher.publish(job.stream, delta)
+        job.timing.saw_output()
 
 
 def _sliced(decoder: SSEDecoder, data: bytes, limit: int) -> Iterator[ServerSentEvent]:
