@@ -89,47 +89,11 @@ def _joins(entry: dict[str, Any], frag: dict[str, Any]) -> bool:
     return a is None or b is None or a == b
 
 
-def _merge_reasoning_entry(entry: dict[str, Any], frag: dict[str, Any]) -> None:
-    for key, value in frag.items():
-        if value is None:
-            continue
-        if key in _CONCAT_KEYS:
-            entry[key] = (entry.get(key) or "") + value
-        elif entry.get(key) is None:
-            entry[key] = value
-
-
-def _merge_reasoning(entries: list[dict[str, Any]], frag: dict[str, Any]) -> None:
-    if entries and _joins(entries[-1], frag):
-        _merge_reasoning_entry(entries[-1], frag)
-    else:
-        entries.append(dict(frag))
-
-
 def _copy_call(call: dict[str, Any]) -> dict[str, Any]:
     copy = dict(call)
     if isinstance(copy.get("function"), dict):
         copy["function"] = dict(copy["function"])
     return copy
-
-
-def _merge_tool(calls: list[dict[str, Any]], frag: dict[str, Any]) -> None:
-    """Merge a published tool-call fragment (explicit ``index``) into ``calls``."""
-    index = frag["index"]
-    call = next((c for c in calls if c["index"] == index), None)
-    if call is None:
-        calls.append(_copy_call(frag))
-        return
-    for key in ("id", "type"):
-        if frag.get(key) and not call.get(key):
-            call[key] = frag[key]
-    fn = frag.get("function")
-    if fn:
-        dest = call.setdefault("function", {})
-        if fn.get("name") and not dest.get("name"):
-            dest["name"] = fn["name"]
-        if fn.get("arguments"):
-            dest["arguments"] = dest.get("arguments", "") + fn["arguments"]
 
 
 # --- Delta --------------------------------------------------------------------------------
@@ -149,10 +113,12 @@ class Delta:
         if self.role is None:
             self.role = other.role
         self.content += other.content
-        for frag in other.reasoning_details:
-            _merge_reasoning(self.reasoning_details, frag)
-        for call in other.tool_calls:
-            _merge_tool(self.tool_calls, call)
+        if other.reasoning_details:
+            self.reasoning_details = _merge_all_reasoning(
+                [*self.reasoning_details, *other.reasoning_details]
+            )
+        if other.tool_calls:
+            self.tool_calls = _merge_all_tools([*self.tool_calls, *other.tool_calls])
 
     def is_empty(self) -> bool:
         return not (self.role or self.content or self.reasoning_details or self.tool_calls)
@@ -651,12 +617,8 @@ class Accumulator:
     # reasoning
 
     def _add_reasoning(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for raw in _reasoning_fragments(delta):
-            frag = self._absorb_reasoning(_clean_reasoning(raw))
-            if frag is not None:
-                _merge_reasoning(out, frag)
-        return out
+        frags = [self._absorb_reasoning(_clean_reasoning(r)) for r in _reasoning_fragments(delta)]
+        return _merge_all_reasoning(frag for frag in frags if frag is not None)
 
     def _absorb_reasoning(self, frag: dict[str, Any]) -> dict[str, Any] | None:
         """Fold one cleaned fragment into the state; return it (as published) or None."""
@@ -689,12 +651,8 @@ class Accumulator:
     def _add_tool_calls(self, tools: Any) -> list[dict[str, Any]]:
         if not isinstance(tools, list):
             raise _bad("delta.tool_calls must be a list", tools)
-        out: list[dict[str, Any]] = []
-        for raw in tools:
-            frag = self._absorb_tool(raw)
-            if frag is not None:
-                _merge_tool(out, frag)
-        return out
+        frags = [self._absorb_tool(raw) for raw in tools]
+        return _merge_all_tools(frag for frag in frags if frag is not None)
 
     def _absorb_tool(self, raw: Any) -> dict[str, Any] | None:
         if not isinstance(raw, dict):

@@ -1,4 +1,5 @@
-"""uvicorn embedded in a running event loop (the worker's metrics and health server).
+"""uvicorn embedded in a running event loop: the worker's metrics and health server and
+the mock upstream.
 
 A module of its own so that importing uvicorn costs a worker's start-up only when the
 endpoints are switched on.
@@ -15,10 +16,15 @@ import uvicorn
 
 
 class EmbeddedServer(uvicorn.Server):
-    """uvicorn in the worker's loop: leaves the process's signals alone, stops on request."""
+    """uvicorn in a running loop: leaves the process's signals alone, stops on request.
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    ``grace``: how long responses in progress may take to end at shutdown (uvicorn's own
+    shutdown adds fixed 0.1 s sleeps; tests start many servers)."""
+
+    def __init__(self, config: uvicorn.Config, *, name: str = "http", grace: float = 0.5) -> None:
         super().__init__(config)
+        self.name = name
+        self.grace = grace
         self.ready = asyncio.Event()
         self.stop_requested = asyncio.Event()
 
@@ -38,7 +44,7 @@ class EmbeddedServer(uvicorn.Server):
             server.close()
         for connection in list(self.server_state.connections):
             connection.shutdown()
-        for _ in range(100):  # up to 0.5 s for responses in progress
+        for _ in range(int(self.grace / 0.005)):
             if not (self.server_state.connections or self.server_state.tasks):
                 break
             await asyncio.sleep(0.005)
@@ -48,17 +54,17 @@ class EmbeddedServer(uvicorn.Server):
             await server.wait_closed()
 
     async def start(self, sock: socket.socket) -> asyncio.Task[None]:
-        task = asyncio.create_task(self.serve(sockets=[sock]), name="chatstream-metrics-http")
+        task = asyncio.create_task(self.serve(sockets=[sock]), name=f"chatstream-{self.name}")
         ready = asyncio.create_task(self.ready.wait())
         await asyncio.wait((task, ready), return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             ready.cancel()
             await task  # raises the start-up error
-            raise RuntimeError("the metrics server did not start")
+            raise RuntimeError(f"the {self.name} server did not start")
         return task
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
     """A listening socket made with IPPROTO_TCP, so asyncio sets TCP_NODELAY on accepted ones
     (``socket.create_server`` leaves it off: 40 ms Nagle stalls)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -66,7 +72,7 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        sock.listen(backlog)
     except BaseException:
         sock.close()
         raise

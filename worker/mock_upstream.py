@@ -57,7 +57,6 @@ import json
 import logging
 import os
 import re
-import socket
 import time
 import weakref
 from collections import Counter
@@ -66,6 +65,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import uvicorn
+
+from worker.embedded_server import EmbeddedServer, bind
 
 __all__ = [
     "FAULTS",
@@ -764,65 +765,6 @@ class MockUpstream:
 # --------------------------------------------------------------------------- serving
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves the process's signals alone and stops on request."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = asyncio.Event()
-        self.stop = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    async def main_loop(self) -> None:
-        await self.on_tick(0)
-        self.ready.set()
-        await self.stop.wait()
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's shutdown, minus its fixed 0.1 s sleeps (tests start many servers)."""
-        for server in self.servers:
-            server.close()
-        for connection in list(self.server_state.connections):
-            connection.shutdown()
-        for _ in range(400):  # up to 2 s for the responses in progress to end
-            if not (self.server_state.connections or self.server_state.tasks):
-                break
-            await asyncio.sleep(0.005)
-        for task in self.server_state.tasks:
-            task.cancel()
-        for server in self.servers:
-            await server.wait_closed()
-
-    async def start(self, sock: socket.socket) -> asyncio.Task[None]:
-        """Starts serving on ``sock``; returns the serving task once it accepts connections."""
-        task = asyncio.create_task(self.serve(sockets=[sock]))
-        ready = asyncio.create_task(self.ready.wait())
-        await asyncio.wait((task, ready), return_when=asyncio.FIRST_COMPLETED)
-        if not ready.done():
-            ready.cancel()
-            await task  # raises the start-up error
-            raise RuntimeError("mock upstream did not start")
-        return task
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket. ``proto`` must be IPPROTO_TCP: asyncio sets TCP_NODELAY on the
-    accepted sockets only then (``socket.create_server`` leaves it 0: 40 ms Nagle stalls)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(4096)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 @contextlib.asynccontextmanager
 async def serve_mock(
     host: str = "127.0.0.1", port: int = 0, *, app: MockUpstream | None = None, **config: Any
@@ -836,11 +778,11 @@ async def serve_mock(
         app = MockUpstream(MockConfig(**config))
     elif config:
         raise TypeError("pass either app= or MockConfig fields, not both")
-    sock = _bind(host, port)
+    sock = bind(host, port, backlog=4096)
     uv_config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
     )
-    server = _EmbeddedServer(uv_config)
+    server = EmbeddedServer(uv_config, name="mock-upstream", grace=2.0)
     try:
         task = await server.start(sock)
     except BaseException:
@@ -851,7 +793,7 @@ async def serve_mock(
         yield f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
     finally:
         app.abort_streams()
-        server.stop.set()
+        server.stop_requested.set()
         await task
         sock.close()
 
