@@ -192,6 +192,8 @@ async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
 async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     from worker.demo import run_demo
 
+    if "log_level" not in settings.model_fields_set:  # the reply is the demo's output
+        logging.getLogger("chatstream").setLevel(logging.WARNING)
     return await run_demo(settings, args.message, tokens=args.tokens, rate=args.rate)
 
 
