@@ -21,7 +21,6 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from worker.client import Client
-from worker.keys import Keys
 from worker.mock_upstream import serve_mock
 from worker.runner import Worker
 from worker.settings import Settings
@@ -53,15 +52,15 @@ async def measure(url: str, jobs: int) -> list[float]:
         worker = Worker(settings, redis)
         await worker.startup()
         consume = asyncio.create_task(worker.consume())
-        client, keys = Client.from_settings(settings, redis), Keys(settings.prefix)
+        client = Client.from_settings(settings, redis)
         request = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
         waits = []
         for _ in range(jobs):
             await asyncio.sleep(0.05)  # the worker is idle, blocked in XREADGROUP
             job = await client.enqueue(request)
-            await client.result(job, timeout=10)
-            created, started = await redis.hmget(keys.job(job), "created_at", "started_at")
-            waits.append((float(started) - float(created)) * 1000)
+            record = await client.result(job, timeout=10)
+            assert record.started_at is not None and record.created_at is not None
+            waits.append((record.started_at - record.created_at) * 1000)
         worker.stopping.set()
         await cancel_and_wait([consume])
         await worker.shutdown()
