@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import httpx
 import pytest
 from redis.asyncio import Redis
 
@@ -409,3 +410,34 @@ async def test_demo_runs_without_any_configuration(tmp_path: Path) -> None:
     assert "in-process Redis stand-in" in err
     assert "mock upstream" in err
     assert "Traceback" not in err
+
+
+async def test_mock_upstream_command_serves_its_configured_stream() -> None:
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        CHATSTREAM, "mock-upstream", "--port", str(port), "--tokens", "3", "--tool-calls", "2",
+        "--keepalive-every", "1", env=clean_env(), stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 10)).decode()
+        assert f"http://127.0.0.1:{port}/v1" in line
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        async with httpx.AsyncClient() as http:
+            reply = await http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+        text = reply.text
+        assert ": keep-alive" in text
+        assert text.count('"tool_calls"') >= 2 and '"finish_reason":"tool_calls"' in text
+        assert '"content":" tok2"' in text and text.rstrip().endswith("data: [DONE]")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 10)
+
+
+def test_mock_upstream_command_rejects_an_unknown_fault() -> None:
+    done = subprocess.run(
+        [CHATSTREAM, "mock-upstream", "--fault", "nope"], env=clean_env(), capture_output=True,
+        text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == "chatstream: error: unknown mock fault 'nope'"

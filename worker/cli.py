@@ -179,11 +179,22 @@ async def stats_command(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.mock_upstream import serve_mock
+    from worker.mock_upstream import MockRequestError, check_fault, serve_mock
 
-    async with serve_mock(
-        host=args.host, port=args.port, tokens=args.tokens, rate=args.rate
-    ) as url:
+    try:
+        check_fault(args.fault)
+    except MockRequestError as exc:
+        return fail(str(exc))
+    options = {
+        "tokens": args.tokens,
+        "rate": args.rate,
+        "tool_calls": args.tool_calls,
+        "reasoning": args.reasoning,
+        "fault": args.fault,
+        "fault_after": args.fault_after,
+        "keepalive_every": args.keepalive_every,
+    }
+    async with serve_mock(host=args.host, port=args.port, **options) as url:
         print(f"mock upstream listening on {url}", flush=True)
         await asyncio.Event().wait()
     return 0
@@ -326,6 +337,11 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rate", type=float, default=0.0, help="tokens per second (0: unpaced)")
+    p.add_argument("--tool-calls", type=int, default=0, help="parallel tool calls per reply")
+    p.add_argument("--reasoning", type=int, default=0, help="reasoning fragments per reply")
+    p.add_argument("--fault", help="inject a fault: http_NNN, midstream_error, truncate, ...")
+    p.add_argument("--fault-after", type=int, default=3, help="tokens before a mid-stream fault")
+    p.add_argument("--keepalive-every", type=int, default=0, help="': keep-alive' every N chunks")
     p.set_defaults(command=mock_command)
     p = sub.add_parser("demo", help="stream one reply end to end (embedded Redis and upstream)")
     p.add_argument("--message", default="Explain what a durable token stream is.")

@@ -75,6 +75,7 @@ __all__ = [
     "MockRequestError",
     "MockUpstream",
     "app_from_env",
+    "check_fault",
     "expected_reasoning",
     "expected_reply",
     "expected_tool_calls",
@@ -174,7 +175,7 @@ def _coerce(name: str, value: Any, kind: str) -> Any:
     return float(value) if kind == _FLOAT else value
 
 
-def _check_fault(fault: str | None) -> None:
+def check_fault(fault: str | None) -> None:
     if fault is not None and fault not in FAULTS and not _HTTP_FAULT.fullmatch(fault):
         raise MockRequestError(f"unknown mock fault {fault!r}")
 
@@ -191,7 +192,7 @@ def resolve_options(request: dict[str, Any], config: MockConfig) -> MockConfig:
             raise MockRequestError(f"unknown mock option {raw_name!r}")
         changes[name] = _coerce(name, value, REQUEST_OPTIONS[name])
     options = dataclasses.replace(config, **changes)
-    _check_fault(options.fault)
+    check_fault(options.fault)
     limit = request.get("max_completion_tokens", request.get("max_tokens"))
     if isinstance(limit, int) and not isinstance(limit, bool) and 0 <= limit < options.tokens:
         options = dataclasses.replace(options, tokens=limit, finish_reason="length")
