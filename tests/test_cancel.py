@@ -77,6 +77,23 @@ async def test_a_cancelled_queued_job_never_starts(harness: Harness) -> None:
     assert await queue_is_empty(harness)
 
 
+async def test_a_job_cancelled_while_handed_back_never_restarts(harness: Harness) -> None:
+    """Cancel requested while running, then the attempt was released (worker shutdown):
+    the next worker to pick it up ends it ``cancelled`` instead of running it again."""
+    job_id = await harness.client.enqueue(chat("handed back"))
+    records = harness.worker.records
+    started = await records.start(job_id, "a-worker-shutting-down", 3)
+    assert started.state == "started"
+    assert await harness.client.cancel(job_id) == "requested"
+    assert await records.release(job_id, started.attempt)
+    await harness.worker.run_burst()
+    record = await harness.client.get(job_id)
+    assert record.status == "cancelled"
+    assert sum(harness.mock.requests.values()) == 0
+    assert [e.type for e in await harness.events(job_id)] == [EventType.CANCELLED]
+    assert await queue_is_empty(harness)
+
+
 async def test_cancel_closes_the_upstream_connection_within_250ms(harness: Harness) -> None:
     job_id, burst = await start_slow_job(harness)
     began = time.monotonic()

@@ -38,7 +38,7 @@ return 'created'
 # Attempts count against max_attempts since the last requeue (budget_base), minus releases.
 START = """
 local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'request', 'upstream',
-  'entry', 'budget_base', 'dead_pending', 'start_token')
+  'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested')
 if not cur[1] then return {'missing'} end
 local attempt = tonumber(cur[2] or '0')
 if cur[1] == 'running' and cur[9] == ARGV[6] then
@@ -46,6 +46,14 @@ if cur[1] == 'running' and cur[9] == ARGV[6] then
 end
 if cur[1] ~= 'queued' and cur[1] ~= 'running' then
   return {'terminal', attempt, cur[8] or ''}
+end
+if cur[1] == 'queued' and cur[10] == '1' then
+  -- cancelled while its attempt was being handed back (shutdown): it never restarts
+  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2])
+  redis.call('XADD', KEYS[2], '*', 'type', 'cancelled', 'attempt', tostring(attempt),
+    'data', '{}')
+  redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
+  return {'terminal', attempt, ''}
 end
 if cur[1] == 'running' and ARGV[5] ~= '' and cur[6] and cur[6] ~= ARGV[5] then
   return {'busy', attempt}
