@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -83,6 +83,21 @@ async def test_a_url_written_as_upstream_into_the_record_is_refused(
     assert sum(trap_app.requests.values()) == 0
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def raw_server(on_connect: Handler) -> AsyncIterator[str]:
+    """A loopback TCP server speaking whatever ``on_connect`` writes; yields its base URL."""
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await server.wait_closed()
+
+
 @asynccontextmanager
 async def redirecting_server(location: str) -> AsyncIterator[str]:
     """An upstream that answers every request with a redirect to ``location``."""
@@ -96,13 +111,8 @@ async def redirecting_server(location: str) -> AsyncIterator[str]:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
-        with contextlib.suppress(Exception):
-            await server.wait_closed()
+    async with raw_server(on_connect) as url:
+        yield url
 
 
 async def test_an_upstream_redirect_is_not_followed(
@@ -151,13 +161,8 @@ async def echo_server() -> AsyncIterator[str]:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        server.close()
-        with contextlib.suppress(Exception):
-            await server.wait_closed()
+    async with raw_server(on_connect) as url:
+        yield url
 
 
 async def redis_text(redis: Redis, prefix: str) -> str:
