@@ -230,7 +230,7 @@ def build_terminal(
         data: dict[str, Any] = {"usage": usage}
         status, event = JobStatus.CANCELLED, EventType.CANCELLED
     elif error is not None or (final is not None and final.error is not None):
-        err = error.to_record() if error is not None else _upstream_error(final)
+        err = (error or _stream_error(final)).to_record()
         fields["error"] = dumps(err)
         status, event = JobStatus.FAILED, EventType.ERROR
         data = {"error": err, "finish_reason": finish_reason, "usage": usage}
@@ -259,15 +259,12 @@ def message_fields(final: FinalMessage | None) -> dict[str, str]:
     return fields
 
 
-def _upstream_error(final: FinalMessage | None) -> dict[str, Any]:
-    error = final.error if final is not None else None
-    return {"code": "upstream_stream_error", "message": _error_message(error), "detail": error}
-
-
-def _error_message(error: Any) -> str:
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        return str(error["message"])
-    return "the upstream reported an error mid-stream"
+def _stream_error(final: FinalMessage | None) -> ChatstreamError:
+    """The error chunk the stream ended with, as the accumulator maps it (MidStreamError)."""
+    exc = final.exception() if final is not None else None
+    if exc is None:  # unreachable: an error chunk always ends the stream as "error"
+        raise AssertionError("build_terminal: no stream error to report")
+    return exc
 
 
 def _first_problem(exc: ValidationError) -> str:

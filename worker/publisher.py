@@ -54,7 +54,6 @@ class JobStream:
     seq: int = 0
     terminal: Terminal | None = None
     stale: bool = False
-    published: int = 0
 
     def take_ops(self) -> list[tuple[int, str]]:
         if self.pending is not None:
@@ -176,7 +175,6 @@ class Publisher:
     def _settle(self, stream: JobStream, kind: str, seq: int, result: int) -> None:
         if kind == "delta":
             stream.unconfirmed = [op for op in stream.unconfirmed if op[0] != seq]
-            stream.published += result == 1
             stream.stale |= result < 0
             return
         assert stream.terminal is not None
