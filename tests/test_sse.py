@@ -159,6 +159,13 @@ VECTORS: dict[str, tuple[bytes, list[ServerSentEvent]]] = {
     "comment between data lines": (b"data: a\n: c\ndata: b\n\n", [E("a\nb")]),
     "comment after data": (b"data: a\n: c\n\n", [E("a")]),
     "comment then data in one event": (b": c\ndata: a\n\n", [E("a")]),
+    "keep-alives between events": (
+        b": keep-alive\n\ndata: a\n\n: keep-alive\n\n:\n\ndata: b\n\n: x\n\n",
+        [E("a"), E("b")],
+    ),
+    "comment block then blank lines": (b"data: a\n\n: c\n\n\n\ndata: b\n\n", [E("a"), E("b")]),
+    "comment then event type": (b": c\n\nevent: e\ndata: a\n\n: c\n\n", [E("a", "e")]),
+    "data line that looks like a comment block": (b"data: a\n\ndata: :x\n\n", [E("a"), E(":x")]),
     "unknown field": (b"foo: bar\ndata: x\n\n", [E("x")]),
     "field names are case-sensitive": (b"Data: x\n\nDATA: y\n\nEvent: e\ndata: z\n\n", [E("z")]),
     "space before colon": (b"data : x\n\n", []),
@@ -194,6 +201,34 @@ def test_vector_matches_reference(stream: bytes, expected: list[ServerSentEvent]
 def test_vector_every_split(stream: bytes, expected: list[ServerSentEvent]) -> None:
     for pieces in splits(stream):
         assert feed_all(SSEDecoder(), pieces) == expected, pieces
+
+
+def feed_all_data(decoder: SSEDecoder, pieces: Iterable[bytes]) -> list[str]:
+    fields = [field for piece in pieces for field in decoder.feed_data(piece)]
+    assert decoder.flush() == []
+    return [field.decode("utf-8", "replace") for field in fields]
+
+
+@pytest.mark.parametrize(("stream", "expected"), list(VECTORS.values()), ids=list(VECTORS))
+def test_vector_every_split_data_only(stream: bytes, expected: list[ServerSentEvent]) -> None:
+    """feed_data() returns the data of the same events, with the same stream state."""
+    _, last_id, retry = reference(stream)
+    for pieces in splits(stream):
+        decoder = SSEDecoder()
+        assert feed_all_data(decoder, pieces) == [event.data for event in expected], pieces
+        assert (decoder.last_event_id, decoder.retry) == (last_id, retry)
+
+
+def test_feed_data_splits_a_long_read_in_bulk() -> None:
+    chunks = [f'{{"n":{i}}}' for i in range(300)]
+    body = "".join(
+        f"data: {c}\n\n" + (": keep-alive\n\n" if i % 50 == 0 else "") for i, c in enumerate(chunks)
+    )
+    decoder = SSEDecoder()
+    assert decoder.feed_data(body.encode()) == [c.encode() for c in chunks]
+    assert decoder.feed_data(b"data: x\n") == []
+    assert decoder.feed_data(b"\nid: 7\ndata: y\n\n") == [b"x", b"y"]
+    assert decoder.last_event_id == "7"
 
 
 # --- state: last event id, retry, flush, reuse ----------------------------------------
@@ -432,6 +467,18 @@ def _run(limit: int, pieces: list[bytes]) -> tuple[list[ServerSentEvent], bool]:
     return events, False
 
 
+def _run_data(limit: int, pieces: list[bytes]) -> tuple[list[str], bool]:
+    decoder = SSEDecoder(max_event_bytes=limit)
+    fields: list[bytes] = []
+    try:
+        for piece in pieces:
+            fields.extend(decoder.feed_data(piece))
+        decoder.flush()
+    except EventTooLargeError:
+        return [field.decode("utf-8", "replace") for field in fields], True
+    return [field.decode("utf-8", "replace") for field in fields], False
+
+
 @settings(max_examples=300)
 @given(valid_streams(), st.data())
 def test_any_split_of_a_valid_stream(stream: bytes, data: st.DataObject) -> None:
@@ -444,6 +491,16 @@ def test_any_split_of_a_valid_stream(stream: bytes, data: st.DataObject) -> None
     assert feed_all(split, pieces) == expected
     assert whole.last_event_id == split.last_event_id == last_id
     assert whole.retry == split.retry == retry
+
+
+@settings(max_examples=300)
+@given(valid_streams(), st.data())
+def test_any_split_of_a_valid_stream_data_only(stream: bytes, data: st.DataObject) -> None:
+    points = data.draw(st.lists(st.integers(0, len(stream)), max_size=12))
+    decoder = SSEDecoder()
+    expected, last_id, retry = reference(stream)
+    assert feed_all_data(decoder, cut(stream, points)) == [event.data for event in expected]
+    assert (decoder.last_event_id, decoder.retry) == (last_id, retry)
 
 
 @settings(max_examples=300)
@@ -461,3 +518,7 @@ def test_arbitrary_bytes_in_arbitrary_splits(
         assert split_events == expected[: len(split_events)]
     else:
         assert whole_events == split_events == expected
+    assert _run_data(limit, cut(stream, points)) == (
+        [event.data for event in split_events],
+        split_raised,
+    )

@@ -20,12 +20,15 @@ Design
   character; it is decoded in one call with ``errors="replace"`` (invalid UTF-8 becomes
   U+FFFD exactly as if each line were decoded alone). A character split across reads
   just waits in ``_rest``.
-* Hot path. Most events are one ``data: <json>`` line: splitting the complete text on
-  ``"\\n\\ndata: "`` yields their payloads directly; a piece without ``"\\n"`` is such an
-  event, and its frozen event object is built through the slot descriptors (about twice
-  as fast as the generated frozen ``__init__``). Anything else (comments, other fields,
-  several data lines, extra blank lines) goes through ``_interpret``, the line-by-line
-  reading of the spec.
+* Hot path. Most events are one ``data: <json>`` line. ``feed()`` splits the complete
+  text on ``"\n\ndata: "``; a piece without ``"\n"`` is such an event, and its frozen
+  event object is built through the slot descriptors (about twice as fast as the
+  generated frozen ``__init__``). ``feed_data()``, what the worker uses, builds no
+  objects and decodes nothing: it drops comment-only blocks (keep-alives) from the
+  complete bytes and splits them on ``b"\n\ndata: "``; when every LF of the block is in
+  a separator, the pieces are the events' data. Anything else (other fields, several
+  data lines, extra blank lines) goes through ``_interpret``, the line-by-line reading of
+  the spec.
 * Size limit. An event's size is the size of its lines after line-end normalisation,
   one byte per line end, without its closing blank line (so ``data: x`` is 7 bytes).
   An event, or the unfinished tail of one, larger than ``max_event_bytes`` raises
@@ -42,6 +45,7 @@ Design
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +58,8 @@ DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
 _BOM = b"\xef\xbb\xbf"
 _LF = 10
 _CR = 13
+# A block that is one comment line (a keep-alive), after a blank line: it does nothing.
+_COMMENT_BLOCK = re.compile(rb"\n\n:[^\n]*(?=\n\n|\Z)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,24 +127,10 @@ class SSEDecoder:
 
     def feed(self, data: bytes) -> list[ServerSentEvent]:
         """Decode one read; return the events it completed (often none or one)."""
-        if self._special or _CR in data:
-            data = self._normalize(data)
-        cut = data.rfind(b"\n\n")
-        if cut < 0 and not (data[:1] == b"\n" and self._rest_ends_with_lf()):
-            self._keep(data)
+        complete = self._complete(data)
+        if not complete:
             return []
-        rest = self._join_parts() if self._parts else self._rest
-        if rest:  # cut == -1 when the blank line is the LF that opens this read
-            cut += len(rest)
-            data = rest + data
-        self._rest = tail = data[cut + 2 :]
-        if len(tail) > self._max:
-            self._check_rest()
-        if cut <= 0:
-            return []
-        if cut > self._max:
-            self._check_events(data[:cut])
-        text = data[:cut].decode("utf-8", "replace")
+        text = complete.decode("utf-8", "replace")
         if text[:6] != "data: " or "\n" in text:
             return self._events(text)
         event = _new_event(ServerSentEvent)  # the hot path: one `data: ` line, inlined
@@ -147,6 +139,50 @@ class SSEDecoder:
         _set_id(event, self._last_id)
         _set_retry(event, self._retry)
         return [event]
+
+    def feed_data(self, data: bytes) -> list[bytes]:
+        """Like :meth:`feed`, but only the ``data`` of each completed event, whatever its
+        type (``id`` and ``retry`` fields still update the stream state), as UTF-8 bytes
+        that are not validated: ``.decode("utf-8", "replace")`` gives the event's data.
+        Builds no event objects and decodes nothing: a read of plain ``data:`` events and
+        comment blocks is split in bulk."""
+        complete = self._complete(data)
+        if complete[:6] == b"data: " and _LF not in complete:  # one plain event
+            return [complete[6:]]
+        if not complete:
+            return []
+        if complete[:1] == b":" or b"\n\n:" in complete:  # drop comment-only blocks
+            complete = _COMMENT_BLOCK.sub(b"", b"\n\n" + complete).lstrip(b"\n")
+        if complete[:6] == b"data: ":
+            fields = complete[6:].split(b"\n\ndata: ")
+            if complete.count(_LF) == 2 * len(fields) - 2:  # every LF is in a separator
+                return fields
+        if not complete:
+            return []
+        events = self._events(complete.decode("utf-8", "replace"))
+        return [event.data.encode() for event in events]
+
+    def _complete(self, data: bytes) -> bytes:
+        """Add one read; return the complete events it ends, without their closing blank
+        line (b"" when it ends none)."""
+        if self._special or _CR in data:
+            data = self._normalize(data)
+        cut = data.rfind(b"\n\n")
+        if cut < 0 and not (data[:1] == b"\n" and self._rest_ends_with_lf()):
+            self._keep(data)
+            return b""
+        rest = self._join_parts() if self._parts else self._rest
+        if rest:  # cut == -1 when the blank line is the LF that opens this read
+            cut += len(rest)
+            data = rest + data
+        self._rest = tail = data[cut + 2 :]
+        if len(tail) > self._max:
+            self._check_rest()
+        if cut <= 0:
+            return b""
+        if cut > self._max:
+            self._check_events(data[:cut])
+        return data[:cut]
 
     def flush(self) -> list[ServerSentEvent]:
         """End of stream: interpret the unfinished event's lines, then drop the event."""
