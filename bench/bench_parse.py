@@ -7,8 +7,8 @@ not measured), go through three pipelines; each is timed with ``time.perf_counte
 the best of several runs is reported as chunks (SSE data events) per second:
 
 ours
-    what ``worker/pipeline.py`` does: ``worker.sse.SSEDecoder.feed`` on each read,
-    ``Accumulator.fold(event.data)`` on each event (JSON parsing, ``[DONE]``, folding into
+    what ``worker/pipeline.py`` does: ``worker.sse.SSEDecoder.feed_data`` on each read,
+    ``Accumulator.fold_all`` on its events' data (JSON parsing, ``[DONE]``, folding into
     the final message) and ``Accumulator.take_delta()`` once per read (the read's merged
     delta to publish), then ``SSEDecoder.flush`` and ``Accumulator.finish``.
 httpx-sse + json.loads (decoding only, no accumulation)
@@ -184,10 +184,9 @@ def run_ours(reads: list[bytes]) -> FinalMessage:
     # what worker/pipeline.py does per upstream read: fold its events, take one delta
     decoder = SSEDecoder()
     accumulator = Accumulator()
-    fold, take = accumulator.fold, accumulator.take_delta
+    fold_all, feed, take = accumulator.fold_all, decoder.feed_data, accumulator.take_delta
     for read in reads:
-        for event in decoder.feed(read):
-            fold(event.data)
+        fold_all(feed(read))
         take()
     decoder.flush()
     return accumulator.finish()

@@ -629,15 +629,21 @@ def test_vectors(datas: list[str], final: dict[str, Any], deltas: list[dict[str,
 
 
 @given(data=st.data())
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["str", "bytes"])
 @pytest.mark.parametrize(("datas", "final", "deltas"), VECTORS)
 def test_fold_and_take_at_any_points_equals_feed_data(
-    datas: list[str], final: dict[str, Any], deltas: list[dict[str, Any]], data: st.DataObject
+    datas: list[str],
+    final: dict[str, Any],
+    deltas: list[dict[str, Any]],
+    as_bytes: bool,
+    data: st.DataObject,
 ) -> None:
     """fold()/take_delta() (one delta per network read) give the same final message as
-    feed_data(), and the taken deltas merge to it, wherever the takes fall."""
+    feed_data(), and the taken deltas merge to it, wherever the takes fall; also for raw
+    bytes, where chunk templates apply."""
     acc, merged = Accumulator(), Delta()
     for item in datas:
-        acc.fold(item)
+        acc.fold(item.encode() if as_bytes else item)
         if data.draw(st.booleans()):
             taken = acc.take_delta()
             if taken is not None:

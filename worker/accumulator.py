@@ -3,6 +3,9 @@
 Pure and on the hot path: it takes the ``data`` field of each SSE event (or an already
 decoded chunk dict), never does I/O and works on the plain dicts ``json.loads`` returns
 (the pydantic models in ``schemas.chunks`` document the same shapes for consumers).
+``fold_all`` takes a read's data fields as raw bytes; a chunk that matches the template of
+the stream's repetitive chunks (``worker/template.py``) is folded without parsing it, with
+the same result.
 
 Rules (the seeds, plus what OpenAI / OpenRouter-style providers really send):
 
@@ -57,8 +60,10 @@ from typing import Any, Literal
 from pydantic_core import from_json
 
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError, snippet
+from worker.template import ChunkTemplate, Path, is_clean, learn
 
 DONE = "[DONE]"
+_DONE_BYTES = DONE.encode()
 ENCRYPTED = "reasoning.encrypted"
 _CONCAT_KEYS = frozenset({"text", "summary"})
 _EXTRA_KEYS = ("web_search", "free_tier")
@@ -71,6 +76,20 @@ _REASONING_DELTA_KEYS = frozenset(
 )
 
 End = Literal["done", "complete", "truncated", "error"]
+
+# chunk templates (worker/template.py): where each fast kind's value sits, and string
+# fields the accumulator never reads that may change from chunk to chunk
+_DELTA: Path = ("choices", 0, "delta")
+_TEMPLATE_VALUE: dict[str, Path] = {
+    "text": (*_DELTA, "content"),
+    "args": (*_DELTA, "tool_calls", 0, "function", "arguments"),
+    "reasoning": (*_DELTA, "reasoning_details", 0, "text"),
+}
+_TEMPLATE_IGNORED: tuple[Path, ...] = (
+    (*_DELTA, "reasoning"),
+    (*_DELTA, "reasoning_content"),
+    ("obfuscation",),
+)
 
 
 def _bad(what: str, value: Any) -> ProtocolError:
@@ -343,6 +362,10 @@ class Accumulator:
         self._held_text: list[str] = []
         self._held_args: dict[int, list[str]] = {}
         self._held_reasoning: tuple[dict[str, Any], list[str]] | None = None
+        # the template of the latest fast chunk; learning attempts; chunks parsed
+        self._template: ChunkTemplate | None = None
+        self._learns = 0
+        self._parsed = 0
 
     @property
     def done(self) -> bool:
@@ -363,24 +386,51 @@ class Accumulator:
     def finish_reason(self) -> str | None:
         return self._finish_reason
 
-    def feed_data(self, data: str) -> Delta | None:
+    def feed_data(self, data: str | bytes) -> Delta | None:
         """Take one SSE event's data field; return the delta to publish, if any."""
         chunk = self._parse(data)
         return None if chunk is _SKIP else self.add_chunk(chunk)
 
-    def fold(self, data: str) -> bool:
+    def fold(self, data: str | bytes) -> bool:
         """Like :meth:`feed_data`, but the delta is held: :meth:`take_delta` returns all
         that was folded since the last take, merged (the publisher's coalescing, done
         here without one ``Delta`` per chunk). Returns whether the chunk added output."""
+        if isinstance(data, bytes):
+            return self.fold_all((data,)) == 1
+        return self._fold_parsed(data)
+
+    def fold_all(self, fields: Iterable[bytes]) -> int:
+        """:meth:`fold` each data field (raw bytes, as ``SSEDecoder.feed_data`` returns
+        them) in order; return how many added output. A chunk that matches the stream's
+        template (worker/template.py) is folded without parsing it."""
+        added = 0
+        template = self._template  # None once the stream is over
+        for data in fields:
+            if template is None or (value := template.match(data)) is None:
+                added += self._fold_parsed(data)
+                template = self._template
+            elif template.kind == "text":  # the hot path, inlined
+                self._content.append(value)
+                self._held_text.append(value)
+                added += 1
+            else:
+                added += self._fold_matched(template, value, data)
+                template = self._template
+        return added
+
+    def _fold_parsed(self, data: str | bytes) -> bool:
         chunk = self._parse(data)
         if chunk is _SKIP:
             return False
+        self._parsed += 1
         fast = self._fast_fold(chunk)
         if fast is not None:
-            if fast[0] == "text":
-                self._held_text.append(fast[1])
+            kind, value = fast
+            if kind == "text":
+                self._held_text.append(value)
             else:
-                self._hold_fast(*fast)
+                self._hold_fast(kind, value)
+            self._learn(data, chunk, kind, value)
             return True
         delta = self.add_chunk(chunk)
         if delta is None:
@@ -392,60 +442,124 @@ class Accumulator:
         self._held.append(delta)
         return True
 
+    def _fold_matched(self, template: ChunkTemplate, value: str, data: bytes) -> bool:
+        """Fold a tool-arguments or reasoning value of a chunk that matched the template,
+        as _fast_fold would have; if the reasoning entry it continues is no longer the
+        last one, the template is dropped and the chunk parsed."""
+        if template.kind == "args":
+            index = template.key
+            self._calls[index].args.append(value)
+            self._last_call = index
+            self._held_args.setdefault(index, []).append(value)
+            return True
+        entry, fragment = template.key
+        if self._reasoning[-1] is not entry:
+            self._template = None
+            return self._fold_parsed(data)
+        entry["text"].append(value)
+        held = self._held_reasoning
+        if held is not None and held[0] is fragment:
+            held[1].append(value)
+        else:
+            self._hold_fast("reasoning", (fragment, value))
+        return True
+
+    def _learn(self, data: str | bytes, chunk: Any, kind: str, value: Any) -> None:
+        """Learn the template of a fast chunk given as bytes. Attempts are rationed (8,
+        then one per 16 parsed chunks), so a stream whose chunks never repeat pays little
+        for them."""
+        folded = value if kind == "text" else value[1]
+        if type(data) is not bytes or not is_clean(folded):
+            return
+        if self._learns >= 8 + self._parsed // 16:
+            return
+        self._learns += 1
+        key: Any = None
+        if kind == "args":
+            key = value[0]
+        elif kind == "reasoning":
+            key = (self._reasoning[-1], value[0])
+        template = learn(data, chunk, _TEMPLATE_VALUE[kind], _TEMPLATE_IGNORED, kind, key)
+        if template is not None:
+            self._template = template
+
     def _hold_fast(self, kind: str, value: Any) -> None:
         if kind == "args":
-            self._held_args.setdefault(value[0], []).append(value[1])
+            index, args = value
+            self._held_args.setdefault(index, []).append(args)
         elif self._held_reasoning is None:
-            self._held_reasoning = (value, [value.pop("text")])
-        else:
-            template, texts = self._held_reasoning
-            texts.append(value.pop("text"))
-            template.update(value)
+            fragment, text = value
+            self._held_reasoning = (fragment, [text])
+        else:  # held fragments are shared (a template's), never changed in place
+            fragment, text = value
+            held, texts = self._held_reasoning
+            texts.append(text)
+            if fragment is not held:
+                self._held_reasoning = ({**held, **fragment}, texts)
 
     def _flush_fast(self) -> None:
         """Held fast fragments become a delta, before a general one (order is kept)."""
-        if not self._held_args and self._held_reasoning is None:
-            return
-        calls = [
-            {"index": index, "function": {"arguments": "".join(parts)}}
-            for index, parts in self._held_args.items()
-        ]
-        reasoning = []
-        if self._held_reasoning is not None:
-            template, texts = self._held_reasoning
-            reasoning.append({**template, "text": "".join(texts)})
-        if calls or reasoning:
-            self._held.append(Delta(None, "", reasoning, calls))
-        self._held_args, self._held_reasoning = {}, None
+        delta = self._fast_delta()
+        if delta is not None:
+            self._held.append(delta)
+
+    def _fast_delta(self) -> Delta | None:
+        """The held tool-argument and reasoning fragments as a delta, no longer held."""
+        args, reasoning = self._held_args, self._held_reasoning
+        calls: list[dict[str, Any]] = []
+        if args:
+            for index, parts in args.items():
+                calls.append({"index": index, "function": {"arguments": "".join(parts)}})
+            self._held_args = {}
+        fragments: list[dict[str, Any]] = []
+        if reasoning is not None:
+            fragments.append({**reasoning[0], "text": "".join(reasoning[1])})
+            self._held_reasoning = None
+        return Delta(None, "", fragments, calls) if calls or fragments else None
 
     def take_delta(self) -> Delta | None:
         """Everything :meth:`fold` took in since the last call, as one delta (or None)."""
-        self._flush_fast()
-        if not (self._held or self._held_text):
-            return None
-        count = len(self._held)
-        if count == 0:
-            held = Delta(None, "".join(self._held_text))
+        held = self._held
+        delta: Delta | None
+        if held:
+            self._flush_fast()
+            delta = held[0] if len(held) == 1 else merge_all(held)
+            self._held = []
+        else:
+            delta = self._fast_delta()
+        if self._held_text:
+            if delta is None:
+                delta = Delta(None)
+            delta.content = "".join(self._held_text)
             self._held_text = []
-            return held
-        held = self._held[0] if count == 1 else merge_all(self._held)
-        held.content = "".join(self._held_text)
-        self._held, self._held_text = [], []
-        return held
+        return delta
 
-    def _parse(self, data: str) -> Any:
+    def _close(self) -> None:
+        """[DONE] or an error: everything after it is ignored, templates included."""
+        self._closed = True
+        self._template = None
+
+    def _parse(self, data: str | bytes) -> Any:
         """The decoded chunk, or _SKIP for ``[DONE]``, blank data and data after the end."""
         if self._closed:
             return _SKIP
-        if data == DONE:
-            self._done = self._closed = True
+        if data in (DONE, _DONE_BYTES):
+            self._done = True
+            self._close()
             return _SKIP
         try:
             return from_json(data)
-        except (ValueError, RecursionError) as exc:
-            if not data.strip():
-                return _SKIP
-            raise ProtocolError(f"invalid JSON in SSE data: {snippet(data)}") from exc
+        except (ValueError, RecursionError, TypeError) as exc:  # TypeError: a lone surrogate
+            return self._parse_invalid(data, exc)
+
+    def _parse_invalid(self, data: str | bytes, exc: Exception) -> Any:
+        if isinstance(data, bytes):
+            text = data.decode("utf-8", "replace")
+            if text.encode() != data:  # invalid UTF-8 becomes U+FFFD, as in SSE events
+                return self._parse(text)
+        if not data.strip():
+            return _SKIP
+        raise ProtocolError(f"invalid JSON in SSE data: {snippet(data)}") from exc
 
     def add_chunk(self, chunk: dict[str, Any]) -> Delta | None:
         """Fold one decoded chunk; return the delta to publish, if any."""
@@ -474,12 +588,14 @@ class Accumulator:
         if kind == "args":
             index, args = value
             return Delta(None, "", [], [{"index": index, "function": {"arguments": args}}])
-        return Delta(None, "", [value])
+        fragment, text = value
+        return Delta(None, "", [{**fragment, "text": text}])
 
     def _fast_fold(self, chunk: Any) -> tuple[str, Any] | None:
         """The common chunk in a few checks: one choice whose delta is only a text,
         tool-arguments or same-kind reasoning fragment, and nothing else to take. Folds it
-        and returns ("text", str), ("args", (index, str)) or ("reasoning", fragment);
+        and returns ("text", str), ("args", (index, str)) or ("reasoning", (fragment,
+        text)), the fragment without its text;
         None whenever the general path must decide (same result, only slower)."""
         if self._model is None or self._completion_id is None:
             return None
@@ -533,14 +649,14 @@ class Accumulator:
             return None
         out: dict[str, Any] = {}
         for key, value in frag.items():
-            if value is not None:
-                if key != "text" and entry.get(key) != value:
+            if value is not None and key != "text":
+                if entry.get(key) != value:
                     return None
                 out[key] = value
         if "index" not in out and entry.get("index") is not None:
             out["index"] = entry["index"]
         entry["text"].append(text)
-        return "reasoning", out
+        return "reasoning", (out, text)
 
     def _take_ids(self, chunk: dict[str, Any]) -> None:
         cid, model = chunk.get("id"), chunk.get("model")
@@ -562,7 +678,7 @@ class Accumulator:
         error = chunk.get("error")
         if error:
             self._error = error if isinstance(error, dict) else {"message": str(error)}
-            self._closed = True
+            self._close()
 
     def _add_choices(self, choices: Any) -> Delta | None:
         if not isinstance(choices, list):

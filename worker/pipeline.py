@@ -38,7 +38,7 @@ from worker.metrics import JobTiming, Metrics
 from worker.publisher import JobStream, Publisher, Terminal
 from worker.records import Records, dumps
 from worker.settings import Settings
-from worker.sse import ServerSentEvent, SSEDecoder
+from worker.sse import SSEDecoder
 from worker.upstream import UpstreamClient
 
 log = logging.getLogger("chatstream.pipeline")
@@ -139,23 +139,26 @@ async def stream_once(
     async with services.upstream.stream(job.upstream, body) as chunks:
         job.opened = True
         async for data in chunks:
-            events = decoder.feed(data) if len(data) <= limit else _sliced(decoder, data, limit)
-            _fold_and_publish(events, acc, publisher, job)
+            fields = (
+                decoder.feed_data(data) if len(data) <= limit else _sliced(decoder, data, limit)
+            )
+            _fold_and_publish(fields, acc, publisher, job)
             if acc.done or acc.errored:
                 break
-    _fold_and_publish(decoder.flush(), acc, publisher, job)
+    decoder.flush()  # an unfinished event is never dispatched
+    _fold_and_publish((), acc, publisher, job)
     if not (acc.done or acc.errored or acc.finish_reason):
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
 
 
 def _fold_and_publish(
-    events: Iterable[ServerSentEvent], acc: Accumulator, publisher: Publisher, job: JobRun
+    fields: Iterable[bytes], acc: Accumulator, publisher: Publisher, job: JobRun
 ) -> None:
-    """Fold one read's events and publish what they added as one delta; what was folded
-    before an invalid event is still published (the record and the stream agree)."""
+    """Fold the data of one read's events and publish what they added as one delta; what
+    was folded before an invalid event is still published (the record and the stream
+    agree)."""
     try:
-        for event in events:
-            job.timing.deltas += acc.fold(event.data)
+        job.timing.deltas += acc.fold_all(fields)
     finally:
         delta = acc.take_delta()
         if delta is not None:
@@ -163,11 +166,11 @@ def _fold_and_publish(
         job.timing.saw_output()
 
 
-def _sliced(decoder: SSEDecoder, data: bytes, limit: int) -> Iterator[ServerSentEvent]:
+def _sliced(decoder: SSEDecoder, data: bytes, limit: int) -> Iterator[bytes]:
     """A read longer than the event limit, fed in limit-sized slices: the events before an
     oversized one are still yielded (and published) before EventTooLargeError."""
     for start in range(0, len(data), limit):
-        yield from decoder.feed(data[start : start + limit])
+        yield from decoder.feed_data(data[start : start + limit])
 
 
 async def _may_retry(services: Services, job: JobRun, exc: ChatstreamError, tries: int) -> bool:

@@ -1,0 +1,219 @@
+"""Chunk templates: read a stream's repetitive chunks without parsing their JSON.
+
+A provider sends thousands of chunks that differ only in one short string: the text
+token, a tool call's argument fragment or a reasoning fragment. The rest (id, model,
+created, the choice's envelope) repeats byte for byte. A :class:`ChunkTemplate` is that
+repeated text with holes where the strings go; matching a data field against it is a few
+string comparisons instead of a JSON parse.
+
+Why a match is exact
+--------------------
+In JSON, a string whose characters are all "clean" (no ``"``, no ``\\``, no control
+character below U+0020) is one string token whatever those characters are. So if the
+template's literal parts hold the same bytes as a chunk that was parsed, and every hole
+holds a clean string, the matched data parses to that chunk with the hole values in
+place. :func:`learn` proves the first part when it builds a template: it parses the data
+again with a distinct sentinel in each hole and checks that exactly the expected fields
+changed (so a value that also appears elsewhere, a duplicate key or an escaped quote
+can only make learning fail, never make a match wrong). :meth:`ChunkTemplate.match`
+checks the second: a hole value that is not clean (an escape, a quote, a control or other
+non-printable character) is no match and the chunk takes the parsing path.
+
+Holes
+-----
+``want`` is the value the accumulator folds; ``ignore`` paths are string fields it never
+reads and that may change from chunk to chunk (OpenRouter's ``delta.reasoning`` next to
+``reasoning_details``, OpenAI's random ``obfuscation`` padding). Any other change, a
+number included (a tool call's ``index``), is a different template.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from pydantic_core import from_json
+
+__all__ = ["ChunkTemplate", "Path", "is_clean", "learn"]
+
+Path = tuple[str | int, ...]
+
+
+def is_clean(value: str) -> bool:
+    """A string whose JSON form is itself between quotes (see the module docstring)."""
+    return '"' not in value and "\\" not in value and value.isprintable()
+
+
+class ChunkTemplate:
+    """Literal parts of a data field (UTF-8 bytes) with string holes between them."""
+
+    __slots__ = (
+        "_fixed",
+        "_head",
+        "_linked",
+        "_middles",
+        "_start",
+        "_stop",
+        "_tail",
+        "_want",
+        "key",
+        "kind",
+    )
+
+    def __init__(
+        self, literals: list[bytes], want: int, kind: str, key: Any, *, linked: bool = False
+    ) -> None:
+        self._head, *self._middles, self._tail = literals
+        self._linked = linked  # every hole holds the same value
+        self._start, self._stop = len(self._head), -len(self._tail)  # the tail is never b""
+        self._fixed = sum(map(len, literals))
+        self._want = want  # which hole holds the folded value
+        self.kind = kind  # what the value is: "text", "args" or "reasoning"
+        self.key = key  # what the accumulator needs to fold it (a call index, an entry)
+
+    def match(self, data: bytes) -> str | None:
+        """The folded value of ``data`` if it fits the template (non-empty), else None."""
+        if (
+            len(data) <= self._fixed
+            or not data.startswith(self._head)
+            or not data.endswith(self._tail)
+            or _BACKSLASH in data  # literals have none (learn()): a hole has an escape
+        ):
+            return None
+        if not self._middles:
+            raw = data[self._start : self._stop]
+            return None if _QUOTE in raw else _decoded(raw)
+        return self._match_linked(data) if self._linked else self._match_holes(data)
+
+    def _match_linked(self, data: bytes) -> str | None:
+        """Holes of one value: their size, so every position, follows from the length."""
+        size, rest = divmod(len(data) - self._fixed, len(self._middles) + 1)
+        start = self._start
+        raw = data[start : start + size]
+        if rest or _QUOTE in raw:
+            return None
+        at = start + size
+        for literal in self._middles:
+            if not data.startswith(literal, at) or not data.startswith(raw, at + len(literal)):
+                return None
+            at += len(literal) + size
+        return _decoded(raw)
+
+    def _match_holes(self, data: bytes) -> str | None:
+        start, stop = self._start, len(data) + self._stop
+        values: list[str | None] = []
+        for literal in self._middles:
+            end = data.find(_QUOTE, start, stop)  # a clean hole ends at the first quote
+            if end < 0 or not data.startswith(literal, end):
+                return None
+            values.append(_decoded(data[start:end]))
+            start = end + len(literal)
+        if start > stop or data.find(_QUOTE, start, stop) >= 0:
+            return None
+        values.append(_decoded(data[start:stop]))
+        return None if None in values else values[self._want] or None
+
+
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")  # ints: `in` and find() skip the buffer protocol
+
+
+def _decoded(raw: bytes) -> str | None:
+    """A hole's bytes (without quote or backslash) as text, if valid UTF-8 without
+    control characters (invalid UTF-8 is left to the parser's U+FFFD path)."""
+    try:
+        value = raw.decode()
+    except UnicodeDecodeError:
+        return None
+    return value if value.isprintable() else None
+
+
+def learn(
+    data: bytes, chunk: Any, want: Path, ignore: tuple[Path, ...], kind: str, key: Any
+) -> ChunkTemplate | None:
+    """The template of ``data`` (which parsed to ``chunk``) with holes at ``want`` and at
+    the ``ignore`` paths that hold strings; None when it cannot be proven exact."""
+    value = _get(chunk, want)
+    if not isinstance(value, str) or not value or not is_clean(value):
+        return None
+    holes = [want]
+    for path in ignore:
+        other = _get(chunk, path)
+        if isinstance(other, str) and other:
+            if not is_clean(other):
+                return None
+            holes.append(path)
+    values = [_get(chunk, path) for path in holes]
+    spans = _spans(data, [value.encode() for value in values])
+    if spans is None:
+        return None
+    order = _prove(data, chunk, holes, spans)
+    if order is None:
+        return None
+    bounds = [0, *(at for span in spans for at in span), len(data)]
+    literals = [data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2)]
+    if any(_BACKSLASH in literal for literal in literals):
+        return None
+    linked = len(set(values)) == 1
+    return ChunkTemplate(literals, order.index(0), kind, key, linked=linked)
+
+
+def _spans(data: bytes, values: list[bytes]) -> list[tuple[int, int]] | None:
+    """Where the values sit in ``data`` (each as a whole JSON string), in order; None
+    unless every quoted occurrence of every value is accounted for, once."""
+    spans: set[tuple[int, int]] = set()
+    for value in set(values):
+        quoted = b'"' + value + b'"'
+        found = []
+        at = data.find(quoted)
+        while at >= 0:
+            found.append((at + 1, at + 1 + len(value)))
+            at = data.find(quoted, at + 1)
+        if len(found) != values.count(value):
+            return None
+        spans.update(found)
+    ordered = sorted(spans)
+    if any(a[1] >= b[0] for a, b in itertools.pairwise(ordered)):
+        return None
+    return ordered
+
+
+def _prove(
+    data: bytes, chunk: Any, holes: list[Path], spans: list[tuple[int, int]]
+) -> list[int] | None:
+    """Parse ``data`` with a sentinel in each span; return, per span, the index of the
+    hole it fills, if the sentinels land in exactly the holes and nothing else changed."""
+    mark = b"~"
+    while mark in data:
+        mark += b"~"
+    sentinels = [f"{mark.decode()}{i}{mark.decode()}" for i in range(len(spans))]
+    parts, last = [], 0
+    for (start, end), sentinel in zip(spans, sentinels, strict=True):
+        parts += [data[last:start], sentinel.encode()]
+        last = end
+    try:
+        probe = from_json(b"".join([*parts, data[last:]]))
+    except ValueError:
+        return None
+    order = [-1] * len(spans)
+    for hole, path in enumerate(holes):
+        found = _get(probe, path)
+        if found not in sentinels or order[sentinels.index(found)] != -1:
+            return None
+        order[sentinels.index(found)] = hole
+        _set(probe, path, _get(chunk, path))
+    return order if probe == chunk else None
+
+
+def _get(node: Any, path: Path) -> Any:
+    for step in path:
+        if isinstance(step, int):
+            if not isinstance(node, list) or len(node) <= step:
+                return None
+        elif not isinstance(node, dict):
+            return None
+        node = node[step] if isinstance(step, int) else node.get(step)
+    return node
+
+
+def _set(node: Any, path: Path, value: Any) -> None:
+    _get(node, path[:-1])[path[-1]] = value
