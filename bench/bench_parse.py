@@ -266,40 +266,48 @@ def race(repeats: int, openai_repeats: int, reads: list[bytes]) -> tuple[float, 
     return best[0], best[1], best[2]
 
 
-def breakdown(reads: list[bytes], repeats: int) -> tuple[float, float, float, float]:
-    """Seconds for ours in parts (SSE decoding, json.loads, folding), and httpx-sse decoding."""
-
-    def decode(reads: list[bytes]) -> None:
-        decoder = SSEDecoder()
-        for read in reads:
-            for event in decoder.feed(read):
-                event.data  # noqa: B018 - touch it, as the accumulator would
-        decoder.flush()
-
+def breakdown(reads: list[bytes], repeats: int) -> tuple[float, float, float, float, float]:
+    """Seconds for ours in parts (SSE splitting, folding, taking the deltas), and for the
+    two parts of httpx-sse + json.loads (SSE decoding, JSON parsing)."""
     decoder = SSEDecoder()
-    decoded = [event.data for read in reads for event in decoder.feed(read)]
-    chunks = [json.loads(data) for data in decoded if data != "[DONE]"]
+    per_read = [decoder.feed_data(read) for read in reads]
+    texts = [data.decode() for fields in per_read for data in fields if data != b"[DONE]"]
 
-    def parse(_: list[bytes]) -> None:
-        loads = json.loads
-        for data in decoded:
-            if data != "[DONE]":
-                loads(data)
+    def split_events(reads: list[bytes]) -> None:
+        feed = SSEDecoder().feed_data
+        for read in reads:
+            feed(read)
 
     def fold(_: list[bytes]) -> None:
+        fold_all = Accumulator().fold_all
+        for fields in per_read:
+            fold_all(fields)
+
+    def fold_and_take(_: list[bytes]) -> None:
         accumulator = Accumulator()
-        for chunk in chunks:
-            accumulator.add_chunk(chunk)
-        accumulator.finish()
+        fold_all, take = accumulator.fold_all, accumulator.take_delta
+        for fields in per_read:
+            fold_all(fields)
+            take()
 
     def httpx_decode(reads: list[bytes]) -> None:
         run_httpx_sse(reads, parse=False)
 
-    return (
-        best_of(repeats, decode, reads),
-        best_of(repeats, parse, reads),
+    def parse(_: list[bytes]) -> None:
+        loads = json.loads
+        for text in texts:
+            loads(text)
+
+    folding, folding_and_taking = (
         best_of(repeats, fold, reads),
+        best_of(repeats, fold_and_take, reads),
+    )
+    return (
+        best_of(repeats, split_events, reads),
+        folding,
+        max(folding_and_taking - folding, 0.0),
         best_of(repeats, httpx_decode, reads),
+        best_of(repeats, parse, reads),
     )
 
 
@@ -321,7 +329,7 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    parts: list[tuple[str, int, int, float, float, float, float]] = []
+    parts: list[tuple[str, int, int, float, float, float, float, float]] = []
     worst_httpx = worst_openai = float("inf")
     for body in bodies:
         for size in READ_SIZES:
@@ -337,17 +345,16 @@ def main() -> None:
             )
             parts.append((body.name, size, body.chunks, *breakdown(reads, repeats)))
     print()
-    print("microseconds per chunk: ours in parts, and httpx-sse's SSE decoding alone")
+    print("microseconds per chunk: ours in parts, and httpx-sse + json.loads in parts")
     print(
-        f"{'body':<10} {'read':>6} {'sse':>6} {'json.loads':>10} {'fold':>6} {'sum':>6} "
-        f"{'httpx-sse sse':>13}"
+        f"{'body':<10} {'read':>6} {'sse':>6} {'fold':>6} {'take':>6} {'sum':>6} "
+        f"{'httpx-sse sse':>13} {'json.loads':>10}"
     )
     for name, size, chunks, *seconds in parts:
-        decode, parse, fold, theirs = (t / chunks * 1e6 for t in seconds)
-        total = decode + parse + fold
+        sse, fold, take, theirs, loads = (t / chunks * 1e6 for t in seconds)
         print(
-            f"{name:<10} {size:>6} {decode:>6.2f} {parse:>10.2f} {fold:>6.2f} {total:>6.2f} "
-            f"{theirs:>13.2f}"
+            f"{name:<10} {size:>6} {sse:>6.2f} {fold:>6.2f} {take:>6.2f} "
+            f"{sse + fold + take:>6.2f} {theirs:>13.2f} {loads:>10.2f}"
         )
     print()
     for label, worst, target in (("httpx-sse", worst_httpx, 2), ("openai", worst_openai, 50)):

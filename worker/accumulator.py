@@ -447,10 +447,14 @@ class Accumulator:
         as _fast_fold would have; if the reasoning entry it continues is no longer the
         last one, the template is dropped and the chunk parsed."""
         if template.kind == "args":
-            index = template.key
-            self._calls[index].args.append(value)
+            index, parts = template.key
+            parts.append(value)
             self._last_call = index
-            self._held_args.setdefault(index, []).append(value)
+            pending = self._held_args.get(index)
+            if pending is None:
+                self._held_args[index] = [value]
+            else:
+                pending.append(value)
             return True
         entry, fragment = template.key
         if self._reasoning[-1] is not entry:
@@ -476,7 +480,7 @@ class Accumulator:
         self._learns += 1
         key: Any = None
         if kind == "args":
-            key = value[0]
+            key = (value[0], self._calls[value[0]].args)
         elif kind == "reasoning":
             key = (self._reasoning[-1], value[0])
         template = learn(data, chunk, _TEMPLATE_VALUE[kind], _TEMPLATE_IGNORED, kind, key)
@@ -505,27 +509,27 @@ class Accumulator:
 
     def _fast_delta(self) -> Delta | None:
         """The held tool-argument and reasoning fragments as a delta, no longer held."""
-        args, reasoning = self._held_args, self._held_reasoning
         calls: list[dict[str, Any]] = []
+        args = self._held_args
         if args:
             for index, parts in args.items():
                 calls.append({"index": index, "function": {"arguments": "".join(parts)}})
-            self._held_args = {}
-        fragments: list[dict[str, Any]] = []
-        if reasoning is not None:
-            fragments.append({**reasoning[0], "text": "".join(reasoning[1])})
-            self._held_reasoning = None
-        return Delta(None, "", fragments, calls) if calls or fragments else None
+            args.clear()
+        reasoning = self._held_reasoning
+        if reasoning is None:
+            return Delta(None, "", [], calls) if calls else None
+        self._held_reasoning = None
+        return Delta(None, "", [{**reasoning[0], "text": "".join(reasoning[1])}], calls)
 
     def take_delta(self) -> Delta | None:
         """Everything :meth:`fold` took in since the last call, as one delta (or None)."""
         held = self._held
-        delta: Delta | None
+        delta: Delta | None = None
         if held:
             self._flush_fast()
             delta = held[0] if len(held) == 1 else merge_all(held)
             self._held = []
-        else:
+        elif self._held_args or self._held_reasoning is not None:
             delta = self._fast_delta()
         if self._held_text:
             if delta is None:

@@ -11,13 +11,21 @@ Why a match is exact
 In JSON, a string whose characters are all "clean" (no ``"``, no ``\\``, no control
 character below U+0020) is one string token whatever those characters are. So if the
 template's literal parts hold the same bytes as a chunk that was parsed, and every hole
-holds a clean string, the matched data parses to that chunk with the hole values in
+holds one string token, the matched data parses to that chunk with the hole values in
 place. :func:`learn` proves the first part when it builds a template: it parses the data
 again with a distinct sentinel in each hole and checks that exactly the expected fields
 changed (so a value that also appears elsewhere, a duplicate key or an escaped quote
 can only make learning fail, never make a match wrong). :meth:`ChunkTemplate.match`
-checks the second: a hole value that is not clean (an escape, a quote, a control or other
-non-printable character) is no match and the chunk takes the parsing path.
+checks the second.
+
+When every hole held the same value at learning time (one hole, or OpenRouter's token in
+both ``delta.reasoning`` and ``reasoning_details[0].text``), the template is *linked*: a
+hole's size follows from the data's length, and the data must equal the literals joined
+by that one hole, a single comparison. Such a hole may hold escapes: if it is not clean
+(or has other non-printable characters), ``from_json(b'"' + hole + b'"')`` decides, which
+succeeds exactly when the hole is one valid JSON string and then gives its value.
+Otherwise (an ``obfuscation`` value beside the token) each hole ends at the next quote, so
+holes must be clean. Invalid UTF-8 never matches: the parser's U+FFFD path decides.
 
 Holes
 -----
@@ -48,9 +56,11 @@ class ChunkTemplate:
     """Literal parts of a data field (UTF-8 bytes) with string holes between them."""
 
     __slots__ = (
+        "_count",
         "_fixed",
         "_head",
         "_linked",
+        "_literals",
         "_middles",
         "_start",
         "_stop",
@@ -63,8 +73,10 @@ class ChunkTemplate:
     def __init__(
         self, literals: list[bytes], want: int, kind: str, key: Any, *, linked: bool = False
     ) -> None:
+        self._literals = tuple(literals)
         self._head, *self._middles, self._tail = literals
-        self._linked = linked  # every hole holds the same value
+        self._count = len(literals) - 1  # holes
+        self._linked = linked or self._count == 1  # every hole holds the same value
         self._start, self._stop = len(self._head), -len(self._tail)  # the tail is never b""
         self._fixed = sum(map(len, literals))
         self._want = want  # which hole holds the folded value
@@ -73,6 +85,25 @@ class ChunkTemplate:
 
     def match(self, data: bytes) -> str | None:
         """The folded value of ``data`` if it fits the template (non-empty), else None."""
+        if not self._linked:
+            return self._match_holes(data)
+        # One value in every hole: its size follows from the length, and the data must be
+        # the literals joined by it (literals hold no backslash, see learn()).
+        size = (len(data) - self._fixed) // self._count
+        start = self._start
+        raw = data[start : start + size]
+        if size <= 0 or raw.join(self._literals) != data:
+            return None
+        if _QUOTE in raw or _BACKSLASH in raw:
+            return _json_string(raw)
+        try:
+            value = raw.decode()
+        except UnicodeDecodeError:  # left to the parser's U+FFFD path
+            return None
+        return value if value.isprintable() else _json_string(raw)
+
+    def _match_holes(self, data: bytes) -> str | None:
+        """Holes of different values: each ends at the first quote after its start."""
         if (
             len(data) <= self._fixed
             or not data.startswith(self._head)
@@ -80,26 +111,6 @@ class ChunkTemplate:
             or _BACKSLASH in data  # literals have none (learn()): a hole has an escape
         ):
             return None
-        if not self._middles:
-            raw = data[self._start : self._stop]
-            return None if _QUOTE in raw else _decoded(raw)
-        return self._match_linked(data) if self._linked else self._match_holes(data)
-
-    def _match_linked(self, data: bytes) -> str | None:
-        """Holes of one value: their size, so every position, follows from the length."""
-        size, rest = divmod(len(data) - self._fixed, len(self._middles) + 1)
-        start = self._start
-        raw = data[start : start + size]
-        if rest or _QUOTE in raw:
-            return None
-        at = start + size
-        for literal in self._middles:
-            if not data.startswith(literal, at) or not data.startswith(raw, at + len(literal)):
-                return None
-            at += len(literal) + size
-        return _decoded(raw)
-
-    def _match_holes(self, data: bytes) -> str | None:
         start, stop = self._start, len(data) + self._stop
         values: list[str | None] = []
         for literal in self._middles:
@@ -115,6 +126,16 @@ class ChunkTemplate:
 
 
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")  # ints: `in` and find() skip the buffer protocol
+
+
+def _json_string(raw: bytes) -> str | None:
+    """A hole with escapes (or other characters to check): it holds one valid JSON string
+    exactly when ``"raw"`` parses, and then that parse is its value."""
+    try:
+        value = from_json(b'"' + raw + b'"')
+    except ValueError:
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 def _decoded(raw: bytes) -> str | None:
