@@ -225,7 +225,7 @@ def runs(draw: st.DrawFn) -> list[bytes]:
     index = draw(st.sampled_from([0, 1]))
     kind_of_reasoning = draw(st.sampled_from(["reasoning.text", "reasoning.summary"]))
     duplicated = draw(st.sampled_from(["same", "other", "absent"]))
-    out = []
+    out: list[bytes] = []
     for value in draw(st.lists(VALUES, min_size=1, max_size=12)):
         top = {"obfuscation": draw(VALUES)} if obfuscate else {}
         if kind == "text":
