@@ -188,7 +188,7 @@ def test_a_stream_whose_chunks_never_repeat_rations_learning() -> None:
     chunks = [text(f"w{i}", created=i) for i in range(400)]
     assert acc.fold_all(chunks) == 400
     assert acc.finish().content == "".join(f"w{i}" for i in range(400))
-    assert acc._learns <= 8 + 400 // 16
+    assert acc._learns <= 8 + 400 // 256
 
 
 def test_a_repetitive_stream_is_folded_without_parsing() -> None:

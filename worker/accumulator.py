@@ -362,10 +362,12 @@ class Accumulator:
         self._held_text: list[str] = []
         self._held_args: dict[int, list[str]] = {}
         self._held_reasoning: tuple[dict[str, Any], list[str]] | None = None
-        # the template of the latest fast chunk; learning attempts; chunks parsed
+        # the template of the latest fast chunk; learning attempts; chunks parsed, and
+        # chunks that added output (parsed or matched), counted once per fold_all()
         self._template: ChunkTemplate | None = None
         self._learns = 0
         self._parsed = 0
+        self._folded = 0
 
     @property
     def done(self) -> bool:
@@ -416,6 +418,7 @@ class Accumulator:
             else:
                 added += self._fold_matched(template, value, data)
                 template = self._template
+        self._folded += added
         return added
 
     def _fold_parsed(self, data: str | bytes) -> bool:
@@ -469,13 +472,16 @@ class Accumulator:
         return True
 
     def _learn(self, data: str | bytes, chunk: Any, kind: str, value: Any) -> None:
-        """Learn the template of a fast chunk given as bytes. Attempts are rationed (8,
-        then one per 16 parsed chunks), so a stream whose chunks never repeat pays little
-        for them."""
+        """Learn the template of a fast chunk given as bytes. An attempt costs several
+        parses, so attempts are rationed: 8, then one per 16 chunks that templates
+        folded and one per 256 parsed chunks. A stream whose chunks never repeat pays a
+        few percent for them."""
         folded = value if kind == "text" else value[1]
         if type(data) is not bytes or not is_clean(folded):
             return
-        if self._learns >= 8 + self._parsed // 16:
+        matched = self._folded - self._parsed  # about: parsed chunks may add nothing
+        if self._learns >= 8 + max(matched, 0) // 16 + self._parsed // 256:
+            self._template = None  # it missed this chunk: stop trying it until a new one
             return
         self._learns += 1
         key: Any = None

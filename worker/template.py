@@ -153,21 +153,20 @@ def learn(
 ) -> ChunkTemplate | None:
     """The template of ``data`` (which parsed to ``chunk``) with holes at ``want`` and at
     the ``ignore`` paths that hold strings; None when it cannot be proven exact."""
-    value = _get(chunk, want)
-    if not isinstance(value, str) or not value or not is_clean(value):
-        return None
-    holes = [want]
-    for path in ignore:
-        other = _get(chunk, path)
-        if isinstance(other, str) and other:
-            if not is_clean(other):
+    holes, values = [], []
+    for path in (want, *ignore):
+        value = _get(chunk, path)
+        if isinstance(value, str) and value:
+            if not is_clean(value):
                 return None
             holes.append(path)
-    values = [_get(chunk, path) for path in holes]
+            values.append(value)
+    if not holes or holes[0] is not want:
+        return None
     spans = _spans(data, [value.encode() for value in values])
     if spans is None:
         return None
-    order = _prove(data, chunk, holes, spans)
+    order = _prove(data, chunk, holes, values, spans)
     if order is None:
         return None
     bounds = [0, *(at for span in spans for at in span), len(data)]
@@ -199,7 +198,7 @@ def _spans(data: bytes, values: list[bytes]) -> list[tuple[int, int]] | None:
 
 
 def _prove(
-    data: bytes, chunk: Any, holes: list[Path], spans: list[tuple[int, int]]
+    data: bytes, chunk: Any, holes: list[Path], values: list[str], spans: list[tuple[int, int]]
 ) -> list[int] | None:
     """Parse ``data`` with a sentinel in each span; return, per span, the index of the
     hole it fills, if the sentinels land in exactly the holes and nothing else changed."""
@@ -221,18 +220,18 @@ def _prove(
         if found not in sentinels or order[sentinels.index(found)] != -1:
             return None
         order[sentinels.index(found)] = hole
-        _set(probe, path, _get(chunk, path))
+        _set(probe, path, values[hole])
     return order if probe == chunk else None
 
 
 def _get(node: Any, path: Path) -> Any:
-    for step in path:
-        if isinstance(step, int):
-            if not isinstance(node, list) or len(node) <= step:
-                return None
-        elif not isinstance(node, dict):
-            return None
-        node = node[step] if isinstance(step, int) else node.get(step)
+    """The value at ``path``, or None. (A string indexed by a position gives a character,
+    but every path here continues with a key after a position, or ends in a key.)"""
+    try:
+        for step in path:
+            node = node[step]
+    except (LookupError, TypeError):
+        return None
     return node
 
 
