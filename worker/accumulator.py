@@ -538,10 +538,11 @@ class Accumulator:
         elif self._held_args or self._held_reasoning is not None:
             delta = self._fast_delta()
         if self._held_text:
-            if delta is None:
-                delta = Delta(None)
-            delta.content = "".join(self._held_text)
+            text = "".join(self._held_text)
             self._held_text = []
+            if delta is None:
+                return Delta(None, text, [], [])  # explicit lists: no default factories
+            delta.content = text
         return delta
 
     def _close(self) -> None:
