@@ -12,6 +12,7 @@ import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -454,29 +455,22 @@ ARBITRARY = st.one_of(
 )  # fmt: skip
 
 
-def _run(limit: int, pieces: list[bytes]) -> tuple[list[ServerSentEvent], bool]:
-    """Events returned before an error (if any), and whether the limit was hit."""
+def _run(limit: int, pieces: list[bytes], *, data_only: bool = False) -> tuple[list[Any], bool]:
+    """What the decoder returned before an error (if any), and whether the limit was hit:
+    events, or with ``data_only`` the fields of ``feed_data()``, decoded."""
     decoder = SSEDecoder(max_event_bytes=limit)
-    events: list[ServerSentEvent] = []
+    feed = decoder.feed_data if data_only else decoder.feed
+    out: list[Any] = []
+    raised = False
     try:
         for piece in pieces:
-            events.extend(decoder.feed(piece))
-        events.extend(decoder.flush())
+            out.extend(feed(piece))
+        out.extend(decoder.flush())
     except EventTooLargeError:
-        return events, True
-    return events, False
-
-
-def _run_data(limit: int, pieces: list[bytes]) -> tuple[list[str], bool]:
-    decoder = SSEDecoder(max_event_bytes=limit)
-    fields: list[bytes] = []
-    try:
-        for piece in pieces:
-            fields.extend(decoder.feed_data(piece))
-        decoder.flush()
-    except EventTooLargeError:
-        return [field.decode("utf-8", "replace") for field in fields], True
-    return [field.decode("utf-8", "replace") for field in fields], False
+        raised = True
+    if data_only:
+        out = [field.decode("utf-8", "replace") for field in out]
+    return out, raised
 
 
 @settings(max_examples=300)
@@ -518,7 +512,7 @@ def test_arbitrary_bytes_in_arbitrary_splits(
         assert split_events == expected[: len(split_events)]
     else:
         assert whole_events == split_events == expected
-    assert _run_data(limit, cut(stream, points)) == (
+    assert _run(limit, cut(stream, points), data_only=True) == (
         [event.data for event in split_events],
         split_raised,
     )
