@@ -396,7 +396,8 @@ class Accumulator:
     def fold(self, data: str | bytes) -> bool:
         """Like :meth:`feed_data`, but the delta is held: :meth:`take_delta` returns all
         that was folded since the last take, merged (the publisher's coalescing, done
-        here without one ``Delta`` per chunk). Returns whether the chunk added output."""
+        here without one ``Delta`` per chunk). Returns whether the chunk added output.
+        Raw bytes go through :meth:`fold_all` (templates); a ``str`` is always parsed."""
         if isinstance(data, bytes):
             return self.fold_all((data,)) == 1
         return self._fold_parsed(data)

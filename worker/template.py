@@ -88,7 +88,7 @@ class ChunkTemplate:
         if not self._linked:
             return self._match_holes(data)
         # One value in every hole: its size follows from the length, and the data must be
-        # the literals joined by it (literals hold no backslash, see learn()).
+        # the literals joined by it.
         size = (len(data) - self._fixed) // self._count
         start = self._start
         raw = data[start : start + size]
