@@ -360,7 +360,7 @@ class Accumulator:
         # folded by fold(), not yet taken: general deltas, then fast fragments' parts
         self._held: list[Delta] = []
         self._held_text: list[str] = []
-        self._held_args: dict[int, list[str]] = {}
+        self._held_args: dict[int, list[str]] = {}  # index -> pieces (kept, emptied)
         self._held_reasoning: tuple[dict[str, Any], list[str]] | None = None
         # the template of the latest fast chunk; learning attempts; chunks parsed, and
         # chunks that added output (parsed or matched), counted once per fold_all()
@@ -412,9 +412,15 @@ class Accumulator:
             if template is None or (value := template.match(data)) is None:
                 added += self._fold_parsed(data)
                 template = self._template
-            elif template.kind == "text":  # the hot path, inlined
+            elif template.kind == "text":  # the hot paths, inlined
                 self._content.append(value)
                 self._held_text.append(value)
+                added += 1
+            elif template.kind == "args":
+                index, add_to_call, add_to_held = template.key
+                add_to_call(value)
+                add_to_held(value)
+                self._last_call = index
                 added += 1
             else:
                 added += self._fold_matched(template, value, data)
@@ -447,19 +453,9 @@ class Accumulator:
         return True
 
     def _fold_matched(self, template: ChunkTemplate, value: str, data: bytes) -> bool:
-        """Fold a tool-arguments or reasoning value of a chunk that matched the template,
-        as _fast_fold would have; if the reasoning entry it continues is no longer the
-        last one, the template is dropped and the chunk parsed."""
-        if template.kind == "args":
-            index, parts = template.key
-            parts.append(value)
-            self._last_call = index
-            pending = self._held_args.get(index)
-            if pending is None:
-                self._held_args[index] = [value]
-            else:
-                pending.append(value)
-            return True
+        """Fold a reasoning value of a chunk that matched the template, as _fast_fold
+        would have; if the entry it continues is no longer the last one, the template is
+        dropped and the chunk parsed."""
         entry, fragment = template.key
         if self._reasoning[-1] is not entry:
             self._template = None
@@ -487,7 +483,8 @@ class Accumulator:
         self._learns += 1
         key: Any = None
         if kind == "args":
-            key = (value[0], self._calls[value[0]].args)
+            index = value[0]
+            key = (index, self._calls[index].args.append, self._held_args[index].append)
         elif kind == "reasoning":
             key = (self._reasoning[-1], value[0])
         template = learn(data, chunk, _TEMPLATE_VALUE[kind], _TEMPLATE_IGNORED, kind, key)
@@ -517,11 +514,10 @@ class Accumulator:
     def _fast_delta(self) -> Delta | None:
         """The held tool-argument and reasoning fragments as a delta, no longer held."""
         calls: list[dict[str, Any]] = []
-        args = self._held_args
-        if args:
-            for index, parts in args.items():
+        for index, parts in self._held_args.items():
+            if parts:
                 calls.append({"index": index, "function": {"arguments": "".join(parts)}})
-            args.clear()
+                parts.clear()
         reasoning = self._held_reasoning
         if reasoning is None:
             return Delta(None, "", [], calls) if calls else None
@@ -537,7 +533,7 @@ class Accumulator:
             delta = held[0] if len(held) == 1 else merge_all(held)
             self._held = []
         elif self._held_args or self._held_reasoning is not None:
-            delta = self._fast_delta()
+            delta = self._fast_delta()  # (held_args may hold only emptied lists)
         if self._held_text:
             text = "".join(self._held_text)
             self._held_text = []
