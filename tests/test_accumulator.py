@@ -760,6 +760,16 @@ def test_invalid_json_names_the_bytes() -> None:
         Accumulator().feed_data("[DONE] ")  # [DONE] counts only as the whole data field
 
 
+def test_a_lone_surrogate_or_invalid_utf8_is_handled_like_any_bad_text() -> None:
+    """A str the JSON parser cannot encode is invalid JSON; invalid UTF-8 in raw bytes
+    becomes U+FFFD, as the SSE decoder's events have it."""
+    with pytest.raises(ProtocolError, match="invalid JSON"):
+        Accumulator().feed_data('{"choices": [{"delta": {"content": "a\ud800"}}]}')
+    acc = Accumulator()
+    acc.fold_all([chunk({"content": "ab"}).encode().replace(b"ab", b"a\xffb")])
+    assert acc.finish().content == "a\ufffdb"
+
+
 def c0(delta: Any = None, **choice: Any) -> str:
     return json.dumps({"choices": [{"index": 0, "delta": delta, **choice}]})
 
