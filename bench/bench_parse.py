@@ -313,9 +313,9 @@ def breakdown(reads: list[bytes], repeats: int) -> tuple[float, float, float, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--quick", action="store_true", help="small bodies, fewer repeats")
+    parser.add_argument("--quick", action="store_true", help="small bodies, one SDK round")
     args = parser.parse_args()
-    scale, repeats, openai_repeats = (0.1, 3, 1) if args.quick else (1.0, 7, 2)
+    scale, repeats, openai_repeats = (0.1, 21, 1) if args.quick else (1.0, 7, 2)
     bodies = [
         text_body(int(20_000 * scale)),
         tools_body(int(10_000 * scale)),
@@ -343,7 +343,7 @@ def main() -> None:
                 f"{body.name:<10} {size:>6} {body.chunks:>6} {ours:>11,.0f} {httpx:>11,.0f} "
                 f"{openai:>9,.0f} {ours / httpx:>13.2f}x {ours / openai:>10.1f}x"
             )
-            parts.append((body.name, size, body.chunks, *breakdown(reads, repeats)))
+            parts.append((body.name, size, body.chunks, *breakdown(reads, 7)))
     print()
     print("microseconds per chunk: ours in parts, and httpx-sse + json.loads in parts")
     print(
