@@ -145,8 +145,7 @@ async def stream_once(
             _fold_and_publish(fields, acc, publisher, job)
             if acc.done or acc.errored:
                 break
-    decoder.flush()  # an unfinished event is never dispatched
-    _fold_and_publish((), acc, publisher, job)
+    decoder.flush()  # end of stream: an unfinished event is never dispatched (nothing to fold)
     if not (acc.done or acc.errored or acc.finish_reason):
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
 
