@@ -182,9 +182,12 @@ def chat(text: str = "hello", **mock: Any) -> dict[str, Any]:
     return request
 
 
+MOCK = MockConfig(tokens=12)  # the mock_upstream fixture's server config
+
+
 @pytest.fixture
 async def mock_upstream() -> AsyncIterator[tuple[MockUpstream, str]]:
-    app = MockUpstream(MockConfig(tokens=12))
+    app = MockUpstream(MOCK)
     async with serve_mock(app=app) as url:
         yield app, url
 

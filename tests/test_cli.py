@@ -21,15 +21,14 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.conftest import RedisServer, chat, free_port
+from tests.conftest import MOCK, RedisServer, chat, free_port
 from tests.test_worker import check_stream, stream_entries
 from worker.client import Client
 from worker.demo import DEMO_REPLY
 from worker.keys import Keys
-from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, expected_usage
+from worker.mock_upstream import MockUpstream, expected_reply, expected_usage
 
 CHATSTREAM = str(Path(sys.executable).with_name("chatstream"))
-MOCK = MockConfig(tokens=12)
 
 
 @dataclass

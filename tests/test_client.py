@@ -8,13 +8,12 @@ from typing import Any
 import pytest
 
 from schemas.events import EventType, StreamEvent
-from tests.conftest import Harness, chat
+from tests.conftest import MOCK, Harness, chat
 from tests.test_worker import check_stream, merge_deltas, queue_is_empty, stream_entries
 from worker.client import Client, SyncClient
 from worker.errors import InvalidJobError, JobNotFoundError
-from worker.mock_upstream import MockConfig, expected_reply
+from worker.mock_upstream import expected_reply
 
-MOCK = MockConfig(tokens=12)
 COMPLETIONS = "/v1/chat/completions"
 
 

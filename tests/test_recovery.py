@@ -23,21 +23,18 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from schemas.events import EventType, StreamEvent
-from tests.conftest import RedisServer, chat
+from tests.conftest import MOCK, RedisServer, chat
 from tests.test_cli import CHATSTREAM, clean_env
 from tests.test_worker import check_stream, merge_deltas, stream_entries
 from worker.accumulator import Delta
 from worker.client import Client
 from worker.keys import GROUP, Keys
-from worker.mock_upstream import MockConfig, MockUpstream, expected_reply
+from worker.mock_upstream import MockUpstream, expected_reply
 from worker.publisher import Publisher, Terminal
 from worker.queue import Queue
 from worker.records import Records
 from worker.runner import Worker
 from worker.settings import Settings
-
-MOCK = MockConfig(tokens=12)  # the conftest mock_upstream's server defaults
-
 
 # -- helpers (also used by test_chaos and test_shutdown) ----------------------------------
 

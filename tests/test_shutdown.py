@@ -19,7 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from schemas.events import EventType
-from tests.conftest import RedisServer, chat
+from tests.conftest import MOCK, RedisServer, chat
 from tests.test_recovery import (
     WorkerProcesses,
     after_last_reset,
@@ -31,9 +31,7 @@ from tests.test_recovery import (
 from tests.test_worker import check_stream, merge_deltas, stream_entries
 from worker.client import Client
 from worker.keys import Keys
-from worker.mock_upstream import MockConfig, MockUpstream, expected_reply
-
-MOCK = MockConfig(tokens=12)  # the conftest mock_upstream's server defaults
+from worker.mock_upstream import MockUpstream, expected_reply
 
 
 def short_job(i: int) -> dict[str, Any]:

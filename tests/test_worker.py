@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord, JobStatus
-from tests.conftest import Harness, chat
+from tests.conftest import MOCK, Harness, chat
 from worker.accumulator import Delta
 from worker.client import Client
 from worker.keys import GROUP, Keys
@@ -34,8 +34,6 @@ from worker.mock_upstream import (
 from worker.runner import Worker
 from worker.settings import Settings
 from worker.upstream import UpstreamClient
-
-MOCK = MockConfig(tokens=12)  # the conftest mock_upstream's server defaults
 
 TERMINAL_TYPE = {
     JobStatus.SUCCEEDED: EventType.DONE,
