@@ -18,7 +18,7 @@ import pytest
 
 from schemas.events import EventType, StreamEvent
 from tests.conftest import Harness, chat
-from tests.test_faults import custom_harness
+from tests.support import custom_harness
 from worker.client import SyncClient
 from worker.errors import JobNotFoundError
 from worker.keys import GROUP

@@ -27,16 +27,19 @@ from redis.exceptions import RedisError
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
 from tests.conftest import RedisServer, chat
-from tests.test_cli import CHATSTREAM, clean_env
-from tests.test_recovery import (
+from tests.support import (
+    CHATSTREAM,
     WorkerProcesses,
     after_last_reset,
+    check_stream,
+    clean_env,
     eventually,
+    merge_deltas,
     needs_redis_server,
     queue_is_drained,
+    stream_entries,
     worker_env,
 )
-from tests.test_worker import check_stream, merge_deltas, stream_entries
 from worker.client import Client, redis_from_settings
 from worker.keys import Keys
 from worker.mock_upstream import MockConfig, expected_reply

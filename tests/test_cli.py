@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +20,18 @@ import pytest
 from redis.asyncio import Redis
 
 from tests.conftest import MOCK, RedisServer, chat, free_port
-from tests.test_worker import check_stream, stream_entries
+from tests.support import (
+    CHATSTREAM,
+    check_stream,
+    clean_env,
+    spawn_worker,
+    stop_worker,
+    stream_entries,
+)
 from worker.client import Client
 from worker.demo import DEMO_REPLY
 from worker.keys import Keys
 from worker.mock_upstream import MockUpstream, expected_reply, expected_usage
-
-CHATSTREAM = str(Path(sys.executable).with_name("chatstream"))
 
 
 @dataclass
@@ -79,20 +82,6 @@ class Cli:
         return spawn_worker(self.env, self.cwd, log, *args)
 
 
-def spawn_worker(
-    env: dict[str, str], cwd: Path, log: IO[bytes], *args: str
-) -> subprocess.Popen[bytes]:
-    """``chatstream worker`` in the background, its output (logs) into ``log``."""
-    return subprocess.Popen(
-        [CHATSTREAM, "worker", *args], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
-    )
-
-
-def clean_env() -> dict[str, str]:
-    """The test's environment without any CHATSTREAM_* setting of the developer's."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
-
-
 @pytest.fixture
 async def cli(
     redis_server: RedisServer | None,
@@ -123,12 +112,6 @@ async def wait_for_worker(cli: Cli, process: subprocess.Popen[bytes], timeout: f
         while not await cli.redis.zcard(cli.keys.workers):
             assert process.poll() is None, "the worker exited during start-up"
             await asyncio.sleep(0.05)
-
-
-async def stop_worker(process: subprocess.Popen[bytes], timeout: float = 5) -> int:
-    """SIGTERM; the exit code, which must come within ``timeout`` seconds."""
-    process.send_signal(signal.SIGTERM)
-    return await asyncio.to_thread(process.wait, timeout)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from schemas.events import EventType, StreamEvent
 from tests.conftest import MOCK, Harness, chat
-from tests.test_worker import check_stream, merge_deltas, queue_is_empty, stream_entries
+from tests.support import check_stream, merge_deltas, queue_is_empty, stream_entries
 from worker.client import Client, SyncClient
 from worker.errors import InvalidJobError, JobNotFoundError
 from worker.mock_upstream import expected_reply

@@ -21,25 +21,12 @@ import pytest
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
 from tests.conftest import Harness, chat, free_port
-from worker.client import Client
+from tests.support import (
+    custom_harness,
+)
 from worker.mock_upstream import MockConfig, expected_reply
-from worker.runner import Worker
 
 PARTIAL = "tok0 tok1 tok2"  # what the mock sends before a fault at fault_after=3
-
-
-@asynccontextmanager
-async def custom_harness(base: Harness, **updates: Any) -> AsyncIterator[Harness]:
-    """A second worker on the same Redis and mock, with some settings changed."""
-    settings = base.settings.model_copy(update=updates)
-    worker = Worker(settings, base.redis)
-    await worker.startup()
-    try:
-        yield Harness(
-            settings, base.redis, base.mock, worker, Client.from_settings(settings, base.redis)
-        )
-    finally:
-        await worker.shutdown()
 
 
 def faulty(fault: str | None = None, **mock: Any) -> tuple[dict[str, Any], str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from functools import partial
@@ -27,7 +26,10 @@ from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
 from tests.conftest import Harness, RedisServer, chat
-from tests.test_faults import custom_harness
+from tests.support import (
+    custom_harness,
+    inject,
+)
 from worker import upstream as upstream_module
 from worker.accumulator import Accumulator, Delta
 from worker.client import Client, redis_from_settings
@@ -40,23 +42,6 @@ from worker.sse import SSEDecoder
 from worker.upstream import UpstreamClient
 
 WORKER_LOG = "chatstream.worker"
-
-
-async def inject(h: Harness, fields: dict[str, Any], job_id: str | None = None) -> str:
-    """A record and queue entry written directly, bypassing the client's validation."""
-    job_id = job_id or uuid.uuid4().hex
-    record = {
-        "id": job_id,
-        "status": "queued",
-        "upstream": "default",
-        "metadata": "{}",
-        "created_at": f"{time.time():.6f}",
-        "attempt": "0",
-        **fields,
-    }
-    assert await h.client.records.create(job_id, record) == "created"
-    await h.client.records.mark_queued(job_id, await h.client.queue.add(job_id))
-    return job_id
 
 
 async def assert_next_job_succeeds(h: Harness) -> None:

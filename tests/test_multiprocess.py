@@ -14,8 +14,7 @@ from redis.asyncio import Redis
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
 from tests.conftest import RedisServer, chat
-from tests.test_cli import clean_env, spawn_worker, stop_worker
-from tests.test_worker import check_stream
+from tests.support import check_stream, clean_env, spawn_worker, stop_worker
 from worker.client import Client
 from worker.keys import GROUP, Keys
 from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock

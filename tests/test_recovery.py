@@ -11,9 +11,8 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,22 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from schemas.events import EventType, StreamEvent
+from schemas.events import EventType
 from tests.conftest import MOCK, RedisServer, chat
-from tests.test_cli import CHATSTREAM, clean_env
-from tests.test_worker import check_stream, merge_deltas, stream_entries
+from tests.support import (
+    CHATSTREAM,
+    WorkerProcesses,
+    after_last_reset,
+    check_stream,
+    clean_env,
+    eventually,
+    merge_deltas,
+    needs_redis_server,
+    queue_is_drained,
+    status_of,
+    stream_entries,
+    worker_env,
+)
 from worker.accumulator import Delta
 from worker.client import Client
 from worker.keys import GROUP, Keys
@@ -36,105 +47,7 @@ from worker.records import Records
 from worker.runner import Worker
 from worker.settings import Settings
 
-# -- helpers (also used by test_chaos and test_shutdown) ----------------------------------
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout: float = 10, every: float = 0.02
-) -> None:
-    """Wait until ``check()`` is true (TimeoutError after ``timeout`` seconds)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            if await check():
-                return
-            await asyncio.sleep(every)
-
-
-async def status_of(redis: Redis, keys: Keys, job_id: str) -> str | None:
-    status: Any = await redis.hget(keys.job(job_id), "status")
-    return None if status is None else str(status)
-
-
-async def queue_is_drained(redis: Redis, keys: Keys) -> bool:
-    """No queue entry left, none pending: every entry was acked and deleted."""
-    pending: Any = await redis.xpending(keys.queue, GROUP)
-    return int(await redis.xlen(keys.queue)) == 0 and pending["pending"] == 0
-
-
-def after_last_reset(events: list[StreamEvent]) -> list[StreamEvent]:
-    resets = [i for i, e in enumerate(events) if e.type is EventType.RESET]
-    return events[resets[-1] + 1 :] if resets else events
-
-
-def worker_env(redis_url: str, prefix: str, upstream_url: str, **settings: Any) -> dict[str, str]:
-    """The environment of a ``chatstream worker`` subprocess: CHATSTREAM_* from kwargs."""
-    env = {
-        **clean_env(),
-        "CHATSTREAM_REDIS_URL": redis_url,
-        "CHATSTREAM_PREFIX": prefix,
-        "CHATSTREAM_UPSTREAM_URL": upstream_url,
-        "CHATSTREAM_BLOCK_MS": "100",
-        "CHATSTREAM_RETRY_INITIAL_BACKOFF": "0.01",
-        "CHATSTREAM_RETRY_MAX_BACKOFF": "0.05",
-    }
-    env.update({f"CHATSTREAM_{name.upper()}": str(value) for name, value in settings.items()})
-    return env
-
-
-class WorkerProcesses:
-    """``chatstream worker`` subprocesses sharing one environment; logs in ``directory``."""
-
-    def __init__(self, directory: Path, env: dict[str, str]) -> None:
-        self.directory = directory
-        self.env = env
-        self.processes: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
-
-    def spawn(self, **settings: Any) -> subprocess.Popen[bytes]:
-        log = self.directory / f"worker-{len(self.processes)}.log"
-        env = {**self.env, **{f"CHATSTREAM_{k.upper()}": str(v) for k, v in settings.items()}}
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [CHATSTREAM, "worker"],
-                env=env,
-                cwd=self.directory,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        self.processes.append(process)
-        self.logs.append(log)
-        return process
-
-    async def ready(
-        self, process: subprocess.Popen[bytes], redis: Redis, keys: Keys, timeout: float = 20
-    ) -> None:
-        """Until the process wrote its heartbeat (it consumes from then on)."""
-        marker = f"-{process.pid}-"
-
-        async def beating() -> bool:
-            assert process.poll() is None, self.output()
-            names = await redis.zrange(keys.workers, 0, -1)
-            return any(marker in name for name in names)
-
-        await eventually(beating, timeout, every=0.05)
-
-    def output(self) -> str:
-        return "\n".join(f"--- {log.name}\n{log.read_text()}" for log in self.logs)
-
-    def kill_all(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-    @classmethod
-    @asynccontextmanager
-    async def session(cls, directory: Path, env: dict[str, str]) -> AsyncIterator[WorkerProcesses]:
-        group = cls(directory, env)
-        try:
-            yield group
-        finally:
-            group.kill_all()
+# -- helpers ----------------------------------------------------------------------------------
 
 
 @asynccontextmanager
@@ -151,12 +64,6 @@ async def consuming(*workers: Worker) -> AsyncIterator[None]:
         await asyncio.gather(*tasks, return_exceptions=True)
         for worker in workers:
             await worker.shutdown()
-
-
-def needs_redis_server(server: RedisServer | None) -> RedisServer:
-    if server is None:
-        pytest.skip("needs a real redis-server")
-    return server
 
 
 # -- leases ---------------------------------------------------------------------------------

@@ -24,8 +24,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from schemas.events import EventType
 from tests.conftest import Harness, RedisServer, chat, free_port, redis_executable
-from tests.test_faults import custom_harness
-from tests.test_hostile import inject
+from tests.support import custom_harness, inject
 from worker import logs
 from worker.cli import redacted_url
 from worker.client import Client, redis_from_settings

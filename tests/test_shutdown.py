@@ -20,15 +20,17 @@ from redis.asyncio import Redis
 
 from schemas.events import EventType
 from tests.conftest import MOCK, RedisServer, chat
-from tests.test_recovery import (
+from tests.support import (
     WorkerProcesses,
     after_last_reset,
+    check_stream,
     eventually,
+    merge_deltas,
     needs_redis_server,
     queue_is_drained,
+    stream_entries,
     worker_env,
 )
-from tests.test_worker import check_stream, merge_deltas, stream_entries
 from worker.client import Client
 from worker.keys import Keys
 from worker.mock_upstream import MockUpstream, expected_reply

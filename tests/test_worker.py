@@ -19,11 +19,17 @@ import pytest
 from redis.asyncio import Redis
 
 from schemas.events import EventType, StreamEvent
-from schemas.jobs import JobRecord, JobStatus
+from schemas.jobs import JobRecord
 from tests.conftest import MOCK, Harness, chat
-from worker.accumulator import Delta
+from tests.support import (
+    check_stream,
+    final_tool_calls,
+    merge_deltas,
+    queue_is_empty,
+    stream_entries,
+)
 from worker.client import Client
-from worker.keys import GROUP, Keys
+from worker.keys import Keys
 from worker.mock_upstream import (
     MockConfig,
     expected_reasoning,
@@ -35,63 +41,7 @@ from worker.runner import Worker
 from worker.settings import Settings
 from worker.upstream import UpstreamClient
 
-TERMINAL_TYPE = {
-    JobStatus.SUCCEEDED: EventType.DONE,
-    JobStatus.FAILED: EventType.ERROR,
-    JobStatus.CANCELLED: EventType.CANCELLED,
-}
-
-
-# -- helpers (also used by the other end-to-end test modules) -----------------------------
-
-
-async def stream_entries(redis: Redis, keys: Keys, job_id: str) -> list[StreamEvent]:
-    """Every entry of the job's events stream, as stored."""
-    rows: Any = await redis.xrange(keys.events(job_id))
-    return [StreamEvent.from_entry(str(eid), dict(fields)) for eid, fields in rows]
-
-
-def merge_deltas(events: list[StreamEvent]) -> Delta:
-    """The deltas of the last attempt merged in order (a ``reset`` voids earlier ones)."""
-    merged = Delta()
-    for event in events:
-        if event.type is EventType.RESET:
-            merged = Delta()
-        elif event.type is EventType.DELTA:
-            merged.merge(Delta.from_json(event.data))
-    return merged
-
-
-def final_tool_calls(delta: Delta) -> list[dict[str, Any]]:
-    """Merged tool-call fragments in the record's shape (index order, no ``index``)."""
-    calls = sorted(delta.tool_calls, key=lambda call: int(call["index"]))
-    return [{k: v for k, v in call.items() if k != "index"} for call in calls]
-
-
-def check_stream(events: list[StreamEvent], record: JobRecord) -> Delta:
-    """The invariants every finished job's stream keeps; returns the merged deltas."""
-    assert record.terminal, record
-    terminals = [event for event in events if event.terminal]
-    assert len(terminals) == 1, [e.type for e in events]
-    assert events[-1] is terminals[0]
-    assert events[-1].type is TERMINAL_TYPE[record.status]
-    assert events[-1].attempt == record.attempt
-    assert all(e.type in (EventType.DELTA, EventType.RESET) for e in events[:-1])
-    ids = [tuple(int(part) for part in e.id.split("-")) for e in events]
-    assert ids == sorted(ids) and len(set(ids)) == len(ids)
-    merged = merge_deltas(events)
-    if record.status is not JobStatus.CANCELLED:
-        assert merged.content == record.content
-        assert merged.reasoning_details == record.reasoning
-        assert final_tool_calls(merged) == record.tool_calls
-    if record.status is JobStatus.FAILED:
-        assert record.error is not None
-        assert events[-1].data["error"] == record.error
-    else:
-        assert record.error is None
-    if record.status is JobStatus.SUCCEEDED:
-        assert events[-1].data == {"finish_reason": record.finish_reason, "usage": record.usage}
-    return merged
+# -- helpers ----------------------------------------------------------------------------------
 
 
 async def finished(harness: Harness, record: JobRecord) -> list[StreamEvent]:
@@ -113,11 +63,6 @@ async def started_worker(
         yield worker, Client.from_settings(settings, redis)
     finally:
         await worker.shutdown()
-
-
-async def queue_is_empty(redis: Redis, keys: Keys) -> bool:
-    pending: Any = await redis.xpending(keys.queue, GROUP)
-    return int(await redis.xlen(keys.queue)) == 0 and int(pending["pending"]) == 0
 
 
 # -- successful jobs ----------------------------------------------------------------------

@@ -1,0 +1,245 @@
+"""Helpers shared by several test modules: stream checks, queue checks, worker
+processes, harness variants."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from redis.asyncio import Redis
+
+from schemas.events import EventType, StreamEvent
+from schemas.jobs import JobRecord, JobStatus
+from tests.conftest import Harness, RedisServer
+from worker.accumulator import Delta
+from worker.client import Client
+from worker.keys import GROUP, Keys
+from worker.runner import Worker
+
+TERMINAL_TYPE = {
+    JobStatus.SUCCEEDED: EventType.DONE,
+    JobStatus.FAILED: EventType.ERROR,
+    JobStatus.CANCELLED: EventType.CANCELLED,
+}
+
+
+async def stream_entries(redis: Redis, keys: Keys, job_id: str) -> list[StreamEvent]:
+    """Every entry of the job's events stream, as stored."""
+    rows: Any = await redis.xrange(keys.events(job_id))
+    return [StreamEvent.from_entry(str(eid), dict(fields)) for eid, fields in rows]
+
+
+def merge_deltas(events: list[StreamEvent]) -> Delta:
+    """The deltas of the last attempt merged in order (a ``reset`` voids earlier ones)."""
+    merged = Delta()
+    for event in events:
+        if event.type is EventType.RESET:
+            merged = Delta()
+        elif event.type is EventType.DELTA:
+            merged.merge(Delta.from_json(event.data))
+    return merged
+
+
+def final_tool_calls(delta: Delta) -> list[dict[str, Any]]:
+    """Merged tool-call fragments in the record's shape (index order, no ``index``)."""
+    calls = sorted(delta.tool_calls, key=lambda call: int(call["index"]))
+    return [{k: v for k, v in call.items() if k != "index"} for call in calls]
+
+
+def check_stream(events: list[StreamEvent], record: JobRecord) -> Delta:
+    """The invariants every finished job's stream keeps; returns the merged deltas."""
+    assert record.terminal, record
+    terminals = [event for event in events if event.terminal]
+    assert len(terminals) == 1, [e.type for e in events]
+    assert events[-1] is terminals[0]
+    assert events[-1].type is TERMINAL_TYPE[record.status]
+    assert events[-1].attempt == record.attempt
+    assert all(e.type in (EventType.DELTA, EventType.RESET) for e in events[:-1])
+    ids = [tuple(int(part) for part in e.id.split("-")) for e in events]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    merged = merge_deltas(events)
+    if record.status is not JobStatus.CANCELLED:
+        assert merged.content == record.content
+        assert merged.reasoning_details == record.reasoning
+        assert final_tool_calls(merged) == record.tool_calls
+    if record.status is JobStatus.FAILED:
+        assert record.error is not None
+        assert events[-1].data["error"] == record.error
+    else:
+        assert record.error is None
+    if record.status is JobStatus.SUCCEEDED:
+        assert events[-1].data == {"finish_reason": record.finish_reason, "usage": record.usage}
+    return merged
+
+
+async def queue_is_empty(redis: Redis, keys: Keys) -> bool:
+    pending: Any = await redis.xpending(keys.queue, GROUP)
+    return int(await redis.xlen(keys.queue)) == 0 and int(pending["pending"]) == 0
+
+
+CHATSTREAM = str(Path(sys.executable).with_name("chatstream"))
+
+
+def spawn_worker(
+    env: dict[str, str], cwd: Path, log: IO[bytes], *args: str
+) -> subprocess.Popen[bytes]:
+    """``chatstream worker`` in the background, its output (logs) into ``log``."""
+    return subprocess.Popen(
+        [CHATSTREAM, "worker", *args], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def clean_env() -> dict[str, str]:
+    """The test's environment without any CHATSTREAM_* setting of the developer's."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
+
+
+async def stop_worker(process: subprocess.Popen[bytes], timeout: float = 5) -> int:
+    """SIGTERM; the exit code, which must come within ``timeout`` seconds."""
+    process.send_signal(signal.SIGTERM)
+    return await asyncio.to_thread(process.wait, timeout)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout: float = 10, every: float = 0.02
+) -> None:
+    """Wait until ``check()`` is true (TimeoutError after ``timeout`` seconds)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            if await check():
+                return
+            await asyncio.sleep(every)
+
+
+async def status_of(redis: Redis, keys: Keys, job_id: str) -> str | None:
+    status: Any = await redis.hget(keys.job(job_id), "status")
+    return None if status is None else str(status)
+
+
+async def queue_is_drained(redis: Redis, keys: Keys) -> bool:
+    """No queue entry left, none pending: every entry was acked and deleted."""
+    pending: Any = await redis.xpending(keys.queue, GROUP)
+    return int(await redis.xlen(keys.queue)) == 0 and pending["pending"] == 0
+
+
+def after_last_reset(events: list[StreamEvent]) -> list[StreamEvent]:
+    resets = [i for i, e in enumerate(events) if e.type is EventType.RESET]
+    return events[resets[-1] + 1 :] if resets else events
+
+
+def worker_env(redis_url: str, prefix: str, upstream_url: str, **settings: Any) -> dict[str, str]:
+    """The environment of a ``chatstream worker`` subprocess: CHATSTREAM_* from kwargs."""
+    env = {
+        **clean_env(),
+        "CHATSTREAM_REDIS_URL": redis_url,
+        "CHATSTREAM_PREFIX": prefix,
+        "CHATSTREAM_UPSTREAM_URL": upstream_url,
+        "CHATSTREAM_BLOCK_MS": "100",
+        "CHATSTREAM_RETRY_INITIAL_BACKOFF": "0.01",
+        "CHATSTREAM_RETRY_MAX_BACKOFF": "0.05",
+    }
+    env.update({f"CHATSTREAM_{name.upper()}": str(value) for name, value in settings.items()})
+    return env
+
+
+class WorkerProcesses:
+    """``chatstream worker`` subprocesses sharing one environment; logs in ``directory``."""
+
+    def __init__(self, directory: Path, env: dict[str, str]) -> None:
+        self.directory = directory
+        self.env = env
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def spawn(self, **settings: Any) -> subprocess.Popen[bytes]:
+        log = self.directory / f"worker-{len(self.processes)}.log"
+        env = {**self.env, **{f"CHATSTREAM_{k.upper()}": str(v) for k, v in settings.items()}}
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                [CHATSTREAM, "worker"],
+                env=env,
+                cwd=self.directory,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.processes.append(process)
+        self.logs.append(log)
+        return process
+
+    async def ready(
+        self, process: subprocess.Popen[bytes], redis: Redis, keys: Keys, timeout: float = 20
+    ) -> None:
+        """Until the process wrote its heartbeat (it consumes from then on)."""
+        marker = f"-{process.pid}-"
+
+        async def beating() -> bool:
+            assert process.poll() is None, self.output()
+            names = await redis.zrange(keys.workers, 0, -1)
+            return any(marker in name for name in names)
+
+        await eventually(beating, timeout, every=0.05)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text()}" for log in self.logs)
+
+    def kill_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    @classmethod
+    @asynccontextmanager
+    async def session(cls, directory: Path, env: dict[str, str]) -> AsyncIterator[WorkerProcesses]:
+        group = cls(directory, env)
+        try:
+            yield group
+        finally:
+            group.kill_all()
+
+
+def needs_redis_server(server: RedisServer | None) -> RedisServer:
+    if server is None:
+        pytest.skip("needs a real redis-server")
+    return server
+
+
+@asynccontextmanager
+async def custom_harness(base: Harness, **updates: Any) -> AsyncIterator[Harness]:
+    """A second worker on the same Redis and mock, with some settings changed."""
+    settings = base.settings.model_copy(update=updates)
+    worker = Worker(settings, base.redis)
+    await worker.startup()
+    try:
+        yield Harness(
+            settings, base.redis, base.mock, worker, Client.from_settings(settings, base.redis)
+        )
+    finally:
+        await worker.shutdown()
+
+
+async def inject(h: Harness, fields: dict[str, Any], job_id: str | None = None) -> str:
+    """A record and queue entry written directly, bypassing the client's validation."""
+    job_id = job_id or uuid.uuid4().hex
+    record = {
+        "id": job_id,
+        "status": "queued",
+        "upstream": "default",
+        "metadata": "{}",
+        "created_at": f"{time.time():.6f}",
+        "attempt": "0",
+        **fields,
+    }
+    assert await h.client.records.create(job_id, record) == "created"
+    await h.client.records.mark_queued(job_id, await h.client.queue.add(job_id))
+    return job_id
