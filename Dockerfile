@@ -14,7 +14,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY worker ./worker
-RUN pip install . \
+# [fast]: uvloop and hiredis (prebuilt wheels; the worker logs which loop and parser it runs)
+RUN pip install '.[fast]' \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin chatstream
 
 USER chatstream

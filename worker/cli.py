@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
-from worker import logs
+from worker import logs, speedups
 from worker.client import Client
 from worker.errors import ChatstreamError
 from worker.settings import Settings, load_settings
@@ -37,7 +37,7 @@ def run_command(args: argparse.Namespace) -> int:
         redis_url = settings.redis_url
         logs.configure(settings)
         command: Command = args.command
-        return asyncio.run(command(settings, args))
+        return speedups.run(command(settings, args), settings)
     except ChatstreamError as exc:
         return fail(exc.message)
     except RedisConnectionError as exc:

@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from schemas.events import StreamEvent
 from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import ChatRequest, JobSpec
+from worker import speedups
 from worker.errors import InvalidJobError, JobNotFoundError
 from worker.keys import Keys
 from worker.queue import DeadLetter, Queue
@@ -230,6 +231,7 @@ def redis_from_settings(settings: Settings) -> Redis:
 
     The pool is a blocking one of ``redis_max_connections``: hundreds of jobs starting at
     once wait briefly for a connection instead of failing with ``MaxConnectionsError``.
+    Replies are parsed by hiredis when it is installed (``CHATSTREAM_REDIS_PARSER``).
     """
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
@@ -243,6 +245,7 @@ def redis_from_settings(settings: Settings) -> Redis:
         socket_keepalive=True,
         retry=Retry(EqualJitterBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        parser_class=speedups.parser_class(settings),
     )
     return Redis.from_pool(pool)
 

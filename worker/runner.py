@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas.jobs import TERMINAL
-from worker import logs
+from worker import logs, speedups
 from worker.keys import Keys
 from worker.metrics import Metrics, MetricsServer
 from worker.pipeline import JobRun, Outcome, Services, run_job
@@ -121,7 +121,12 @@ class Worker:
             asyncio.create_task(self._maintain(), name="chatstream-maintain"),
             asyncio.create_task(self._listen_for_cancels(), name="chatstream-cancels"),
         ]
-        log.info("worker %s started (concurrency %d)", self.name, self.settings.concurrency)
+        log.info(
+            "worker %s started (concurrency %d; %s)",
+            self.name,
+            self.settings.concurrency,
+            speedups.in_use(self.redis),
+        )
 
     async def consume(self) -> None:
         """Read and launch jobs until asked to stop."""

@@ -160,6 +160,16 @@ class Settings(BaseSettings):
     metrics_host: str = Field(
         "0.0.0.0", description="Address the metrics and health endpoints listen on."
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="Event loop: `auto` runs uvloop when it is installed "
+        "(`pip install 'chatstream[fast]'`), else asyncio's.",
+    )
+    redis_parser: Literal["auto", "hiredis", "python"] = Field(
+        "auto",
+        description="Redis reply parser: `auto` uses hiredis when it is installed "
+        "(`chatstream[fast]`), else redis-py's pure-Python one.",
+    )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level."

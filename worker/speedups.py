@@ -1,0 +1,112 @@
+"""uvloop and hiredis: used when installed (``pip install 'chatstream[fast]'``).
+
+They are the ecosystem's standard accelerators (uvicorn and redis-py ship them as
+extras): uvloop is an event loop on libuv, hiredis parses Redis replies in C. Without
+them the worker runs on asyncio and redis-py's pure-Python parser, the same code either
+way. ``CHATSTREAM_EVENT_LOOP`` / ``CHATSTREAM_REDIS_PARSER`` (``auto``, the default, or
+one of the two) force a choice; forcing one that is not installed is a configuration
+error. :func:`in_use` says what the running process actually uses; the worker logs it
+at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from importlib.util import find_spec
+from typing import Any, TypeVar
+
+from redis.asyncio import Redis
+
+from worker.errors import ConfigError
+from worker.settings import Settings
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Speedups:
+    loop: str  # "uvloop" | "asyncio"
+    redis_parser: str  # "hiredis" | "python"
+
+    def __str__(self) -> str:
+        return f"event loop {self.loop}, Redis parser {self.redis_parser}"
+
+
+def uvloop_installed() -> bool:
+    return find_spec("uvloop") is not None
+
+
+def hiredis_installed() -> bool:
+    from redis.utils import HIREDIS_AVAILABLE  # False for a hiredis redis-py cannot use
+
+    return bool(HIREDIS_AVAILABLE)
+
+
+def chosen_loop(settings: Settings) -> str:
+    choice = settings.event_loop
+    if choice == "auto":
+        return "uvloop" if uvloop_installed() else "asyncio"
+    if choice == "uvloop" and not uvloop_installed():
+        raise ConfigError(
+            "CHATSTREAM_EVENT_LOOP=uvloop, but uvloop is not installed "
+            "(pip install 'chatstream[fast]')"
+        )
+    return choice
+
+
+def chosen_parser(settings: Settings) -> str:
+    choice = settings.redis_parser
+    if choice == "auto":
+        return "hiredis" if hiredis_installed() else "python"
+    if choice == "hiredis" and not hiredis_installed():
+        raise ConfigError(
+            "CHATSTREAM_REDIS_PARSER=hiredis, but hiredis (>= 3.2) is not installed "
+            "(pip install 'chatstream[fast]')"
+        )
+    return choice
+
+
+def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop factory for ``asyncio.Runner`` (None: asyncio's default loop)."""
+    if chosen_loop(settings) != "uvloop":
+        return None
+    import uvloop
+
+    return uvloop.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, T], settings: Settings) -> T:
+    """``asyncio.run(main)`` on the chosen event loop."""
+    with asyncio.Runner(loop_factory=loop_factory(settings)) as runner:
+        return runner.run(main)
+
+
+def parser_class(settings: Settings) -> type[Any]:
+    """The redis-py reply parser for the chosen implementation."""
+    from redis._parsers import _AsyncHiredisParser, _AsyncRESP3Parser
+
+    return _AsyncHiredisParser if chosen_parser(settings) == "hiredis" else _AsyncRESP3Parser
+
+
+def in_use(redis: Redis | None = None) -> Speedups:
+    """What this process runs on: the running loop, and ``redis``'s parser (or the
+    default redis-py picks)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    loop = (
+        "uvloop"
+        if running is not None and type(running).__module__.startswith("uvloop")
+        else "asyncio"
+    )
+    parser: Any = None
+    if redis is not None:
+        parser = redis.connection_pool.connection_kwargs.get("parser_class")
+    if parser is None:
+        from redis.asyncio.connection import DefaultParser
+
+        parser = DefaultParser
+    return Speedups(loop, "hiredis" if "Hiredis" in parser.__name__ else "python")
