@@ -74,7 +74,7 @@ class Plan:
     tp_rounds: int = 3
     duration: float = 10.0
     rate: float = 50.0
-    tick: float = 0.1
+    tick: float = 0.0  # 0: one event per write (providers' pacing); > 0: coalescing mock
     ramp: float = 1.0
     start_ours: int = 100
     start_peer: int = 25
@@ -82,7 +82,10 @@ class Plan:
     refine: int = 2
     keys_per_read: int = 100
     consumers: int = 1
-    mock_workers: int = 1
+    phases: tuple[str, ...] = ("throughput", "capacity", "tls", "memory")
+    coalesced_tick: float = 0.1  # the extra "coalesced" phase's mock tick
+    memory_streams: int = 1000
+    memory_rate: float = 5.0  # slow enough that the CPU does not limit the memory phase
     quiet_budget: float = 120.0  # seconds the capacity steps may wait for other processes
     verbose: bool = False
     steps: tuple[int, ...] = ()  # run exactly these capacity steps instead of searching
@@ -92,6 +95,7 @@ class Plan:
 QUICK = Plan(
     tp_jobs=50, tp_tokens=200, tp_rounds=1, duration=3.0, ramp=0.5,
     start_ours=50, start_peer=25, max_streams=100, refine=0, quiet_budget=5.0,
+    memory_streams=200,
 )  # fmt: skip
 
 
@@ -212,19 +216,59 @@ def redis_server(logs: Path) -> Iterator[tuple[str, int]]:
 
 
 @contextlib.contextmanager
-def mock_upstream(logs: Path, workers: int) -> Iterator[tuple[str, int]]:
+def mock_upstream(logs: Path, tls: tuple[Path, Path] | None = None) -> Iterator[tuple[str, int]]:
+    """``bench/paced_upstream.py`` in its own process (uvloop when installed): one event per
+    write, OpenAI-shaped chunks; over TLS with ``tls`` = (certificate, key)."""
     port = free_port()
-    code = (
-        "import sys; from worker.mock_upstream import MockConfig, run_mock; "
-        "run_mock('127.0.0.1', int(sys.argv[1]), MockConfig(), workers=int(sys.argv[2]),"
-        " log_level='warning')"
-    )
-    proc = spawn("mock", [sys.executable, "-c", code, str(port), str(workers)], logs)
+    extra = ["--tls", str(tls[0]), str(tls[1])] if tls else []
+    name = "mock-tls" if tls else "mock"
+    proc = spawn(name, [sys.executable, str(BENCH / "paced_upstream.py"), str(port), *extra], logs)
     try:
         wait_port(port, proc.popen)
-        yield f"http://127.0.0.1:{port}/v1", proc.pid
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}/v1", proc.pid
     finally:
         proc.stop()
+
+
+def make_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 made now (cryptography, a dev extra): the
+    mock's, and the CA file both workers trust through ``SSL_CERT_FILE``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "mock-cert.pem", directory / "mock-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
 
 
 def ensure_peer_venv() -> None:
@@ -255,6 +299,8 @@ class Env:
     redis: Redis
     helpers: dict[str, int]  # name -> pid of the mock upstream and redis-server
     quiet_budget: float = 0.0  # seconds left to wait for other processes
+    ca_file: str = ""  # SSL_CERT_FILE for both workers when the mock speaks TLS
+    tick: float = 0.0  # the mock's tick in the capacity steps
 
 
 Job = tuple[str, dict[str, Any]]
@@ -311,7 +357,8 @@ class Ours:
             "CHATSTREAM_PREFIX": OURS_PREFIX,
             "CHATSTREAM_UPSTREAM_URL": env.mock_url,
             "CHATSTREAM_CONCURRENCY": str(concurrency),
-            "CHATSTREAM_LOG_LEVEL": "WARNING",
+            "CHATSTREAM_LOG_LEVEL": "INFO",  # one start-up line: the loop and parser in use
+            **({"SSL_CERT_FILE": env.ca_file} if env.ca_file else {}),
         }
         command = [env.plan.chatstream or str(Path(sys.executable).parent / "chatstream"), "worker"]
         return spawn("ours-worker", command, env.logs, {**os.environ, **variables})
@@ -336,7 +383,13 @@ class Peer:
     def start(self, env: Env, concurrency: int) -> Proc:
         command = [str(PEER_PYTHON), str(PEER_SCRIPT), "worker", "--redis", env.redis_url]
         command += ["--upstream", env.mock_url, "--max-jobs", str(concurrency)]
-        return spawn("peer-worker", [*command, "--prefix", PEER_PREFIX], env.logs)
+        variables = {"SSL_CERT_FILE": env.ca_file} if env.ca_file else {}
+        return spawn(
+            "peer-worker",
+            [*command, "--prefix", PEER_PREFIX],
+            env.logs,
+            {**os.environ, **variables},
+        )
 
     async def enqueue(self, env: Env, jobs: list[Job], ramp: float) -> float:
         path = env.logs / "peer-jobs.json"
@@ -571,7 +624,8 @@ class Step:
     tokens: int = 0
     expected: int = 0
     done: int = 0
-    worker_cpu: float = 0.0
+    worker_cpu: float = 0.0  # busy fraction of one core over the step
+    worker_cpu_s: float = 0.0  # seconds
     consumer_cpu: float = 0.0
     helper_cpu: dict[str, float] = field(default_factory=dict)
     machine: float = 0.0
@@ -583,6 +637,11 @@ class Step:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def cpu_per_token(self) -> float:
+        """Worker CPU seconds per token delivered (ramp and wind-down included)."""
+        return self.worker_cpu_s / self.tokens if self.tokens else math.nan
 
 
 def percentile(hist: dict[int, int], q: float) -> float:
@@ -684,7 +743,7 @@ def judge(step: Step, ends: Counter[str], duration: float) -> None:
 async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
     plan = env.plan
     tokens = round(plan.rate * plan.duration)
-    mock = {"rate": plan.rate, "tick": plan.tick, "timestamps": True}
+    mock = {"rate": plan.rate, "tick": env.tick, "timestamps": True}
     jobs = [(f"s{n}-{i}", job_body(tokens, **mock)) for i in range(n)]
     deadline = time.time() + plan.ramp + plan.duration + max(5.0, plan.duration) + 2
     consumers = await start_consumers(env, [system.key(job_id) for job_id, _ in jobs], deadline)
@@ -701,8 +760,9 @@ async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
                 consumer.kill()
     elapsed = time.monotonic() - began
     proc.check()
-    cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / elapsed for name, pid in pids.items()}
-    step.worker_cpu = cpu.pop("worker")
+    used = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+    cpu = {name: seconds / elapsed for name, seconds in used.items()}
+    step.worker_cpu, step.worker_cpu_s = cpu.pop("worker"), used["worker"]
     step.helper_cpu = cpu
     busy_after = machine_busy()
     step.machine = (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
@@ -713,9 +773,10 @@ async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
 
 STEP_HEADER = (
     f"  {'':<18} {'':>7} {'latency ms, all N sending':^27} {'(all)':>6}"
-    f" {'CPU, one core = 100%':^30} {'':>6} {'peak':>5}\n"
+    f" {'CPU, one core = 100%':^30} {'':>6} {'peak':>5} {'us CPU':>6}\n"
     f"  {'':<18} {'streams':>7} {'p50':>6} {'p99':>6} {'max':>6} {'XADD':>6} {'p99':>6}"
     f" {'worker':>6} {'cons.':>5} {'mock':>5} {'redis':>5} {'all':>5} {'before':>6} {'RSS':>5}"
+    f" {'/token':>6}"
 )
 
 
@@ -727,7 +788,7 @@ def step_line(system: System, step: Step) -> str:
         f" {step.worst * ms:>6.0f} {step.p99_written * ms:>6.0f} {step.p99_all * ms:>6.0f}"
         f" {step.worker_cpu:>6.0%} {step.consumer_cpu:>5.0%} {cpu['mock']:>5.0%}"
         f" {cpu['redis']:>5.0%} {step.machine * CPUS:>5.0%} {step.background * CPUS:>6.0%}"
-        f" {step.rss / 2**20:>4.0f}M  {verdict}"
+        f" {step.rss / 2**20:>4.0f}M {step.cpu_per_token * 1e6:>6.0f}  {verdict}"
     )
 
 
@@ -794,24 +855,81 @@ def nice(n: int) -> int:
 # --- the report ---------------------------------------------------------------------------
 
 
+# --- memory: RSS per in-flight stream -------------------------------------------------------
+
+
+@dataclass
+class Memory:
+    streams: int
+    base: int  # VmRSS after the warm-up, bytes
+    peak: int  # VmHWM once every stream ended
+
+    @property
+    def per_stream(self) -> float:
+        return (self.peak - self.base) / self.streams
+
+
+def current_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def memory(env: Env, system: System) -> Memory:
+    """``memory_streams`` slow streams in flight at once; (peak - base RSS) per stream."""
+    plan = env.plan
+    await env.redis.flushall()
+    proc = system.start(env, plan.memory_streams)
+    try:
+        await warm_up(env, system, proc, "m")
+        base = current_rss(proc.pid)
+        body = job_body(round(plan.memory_rate * plan.duration), rate=plan.memory_rate)
+        jobs = [(f"m-{i}", body) for i in range(plan.memory_streams)]
+        await system.enqueue(env, jobs, plan.ramp)
+        keys = [system.key(job_id) for job_id, _ in jobs]
+        _, types = await wait_terminals(env.redis, keys, proc, plan.duration * 4 + 60)
+        if types != Counter(done=len(jobs)):
+            raise RuntimeError(f"{system.name}: memory phase ended {dict(types)}")
+        result = Memory(plan.memory_streams, base, peak_rss(proc.pid))
+    finally:
+        proc.stop()
+    print(
+        f"  {system.label:<18} memory: {result.streams} streams in flight, RSS"
+        f" {result.base / 2**20:.0f} -> {result.peak / 2**20:.0f} MiB,"
+        f" {result.per_stream / 1024:.1f} KiB per stream",
+        flush=True,
+    )
+    return result
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
 def report(results: dict[str, dict[str, Any]], plan: Plan, quick: bool) -> None:
     ours, peer = results.get("ours", {}), results.get("peer", {})
     rows = _throughput_rows(ours.get("throughput"), peer.get("throughput"))
-    if "capacity" in ours or "capacity" in peer:
-        rows += _capacity_rows(ours.get("capacity"), peer.get("capacity"), plan)
+    for phase, label, target in (
+        ("capacity", "plain HTTP", 8),
+        ("tls", "TLS", 6),
+        ("coalesced", f"coalescing mock (tick {plan.coalesced_tick:g}s)", 0),
+    ):
+        if phase in ours or phase in peer:
+            rows += _capacity_rows(ours.get(phase), peer.get(phase), plan, label, target)
+    rows += _memory_rows(ours.get("memory"), peer.get("memory"))
     if quick:  # too small to judge the targets
         rows = [(*row[:5], "(smoke run)" if row[4] else row[5]) for row in rows]
     print()
     print(
         f"throughput: {plan.tp_jobs} jobs x {plan.tp_tokens} tokens, upstream unpaced, one worker"
-        f" process; capacity: streams of {plan.rate:g} tokens/s x {plan.duration:g}s, p99 of"
-        f" send->XREAD receipt <= {LATENCY_BOUND * 1000:g} ms"
+        f" process; capacity: streams of {plan.rate:g} tokens/s x {plan.duration:g}s, one event"
+        f" per upstream write, p99 of send->XREAD receipt <= {LATENCY_BOUND * 1000:g} ms"
     )
-    header = f"{'':<24}{'chatstream':>12}{'arq + openai':>14}{'ratio':>8}{'target':>8}  verdict"
+    header = f"{'':<34}{'chatstream':>12}{'arq + openai':>14}{'ratio':>8}{'target':>9}  verdict"
     print(header)
     print("-" * len(header))
-    for name, x, y, r, target, verdict in rows:
-        print(f"{name:<24}{x:>12}{y:>14}{r:>8}{target:>8}  {verdict}")
+    for name, x, y, r, goal, verdict in rows:
+        print(f"{name:<34}{x:>12}{y:>14}{r:>8}{goal:>9}  {verdict}")
     if quick:
         print(f"(--quick: small sizes, capacity capped at {plan.max_streams} streams: a smoke run)")
 
@@ -820,7 +938,7 @@ Row = tuple[str, str, str, str, str, str]
 
 
 def _ratio(a: float | None, b: float | None, target: float) -> tuple[str, str]:
-    if not a or not b:
+    if not a or not b or math.isnan(a) or math.isnan(b):
         return "", ""
     return f"{a / b:.1f}x", ("met" if a / b >= target else "MISSED") if target else ""
 
@@ -828,34 +946,67 @@ def _ratio(a: float | None, b: float | None, target: float) -> tuple[str, str]:
 def _throughput_rows(a: Throughput | None, b: Throughput | None) -> list[Row]:
     if a is None and b is None:
         return []
-    rate = _ratio(a.rate if a else None, b.rate if b else None, 5)
+    rate = _ratio(a.rate if a else None, b.rate if b else None, 25)
     cpu = _ratio(b.cpu_per_1k if b else None, a.cpu_per_1k if a else None, 0)
     return [
-        ("deltas/s", f"{a.rate:,.0f}" if a else "-", f"{b.rate:,.0f}" if b else "-",
-         rate[0], ">= 5x", rate[1]),
-        ("CPU s per 1k deltas", f"{a.cpu_per_1k:.4f}" if a else "-",
+        ("throughput: deltas/s", f"{a.rate:,.0f}" if a else "-", f"{b.rate:,.0f}" if b else "-",
+         rate[0], ">= 25x", rate[1]),
+        ("  CPU s per 1k deltas", f"{a.cpu_per_1k:.4f}" if a else "-",
          f"{b.cpu_per_1k:.4f}" if b else "-", cpu[0], "", "(peer / ours)"),
     ]  # fmt: skip
 
 
-def _capacity_rows(a: Step | None, b: Step | None, plan: Plan) -> list[Row]:
+def _capacity_rows(
+    a: Step | None, b: Step | None, plan: Plan, label: str, target: float
+) -> list[Row]:
     def streams(step: Step | None) -> str:
         if step is None:
             return "0"
         return f"{'>=' if step.streams * 2 > plan.max_streams else ''}{step.streams:,}"
 
-    n = _ratio(a.streams if a else None, b.streams if b else None, 6)
+    n = _ratio(a.streams if a else None, b.streams if b else None, target)
     if a is not None and a.streams * 2 > plan.max_streams:
         n = (f">={n[0]}", "lower bound (--max-streams)") if n[0] else n
-    return [
-        ("streams at p99 <= 50ms", streams(a), streams(b), n[0], ">= 6x", n[1]),
+    us = _ratio(b.cpu_per_token if b else None, a.cpu_per_token if a else None, 8 if target else 0)
+    rows = [
+        (f"{label}: streams at p99 <= 50ms", streams(a), streams(b), n[0],
+         f">= {target:g}x" if target else "", n[1]),
         ("  p99 there (ms)", _ms(a), _ms(b), "", "", ""),
+        ("  worker CPU per token there (us)", _us(a), _us(b), us[0],
+         ">= 8x" if target else "", us[1] + (" (peer / ours)" if us[1] else "")),
+        ("  worker busy there (one core)", _busy(a), _busy(b), "", "", ""),
         ("  peak RSS there (MiB)", _mib(a), _mib(b), "", "", ""),
-    ]
+    ]  # fmt: skip
+    if target and a is not None:
+        ok = a.cpu_per_token * 1e6 <= 40
+        rows.append(
+            ("  ours <= 40 us CPU per token", _us(a), "", "", "<= 40", "met" if ok else "MISSED")
+        )
+    return rows
+
+
+def _memory_rows(a: Memory | None, b: Memory | None) -> list[Row]:
+    if a is None and b is None:
+        return []
+    streams = (a or b).streams  # type: ignore[union-attr]
+
+    def kib(m: Memory | None) -> str:
+        return f"{m.per_stream / 1024:.1f}" if m else "-"
+
+    ok = "" if a is None else ("met" if a.per_stream <= 64 * 1024 else "MISSED")
+    return [(f"RSS per in-flight stream, {streams:,} (KiB)", kib(a), kib(b), "", "<= 64", ok)]
 
 
 def _ms(step: Step | None) -> str:
     return f"{step.p99 * 1000:.1f}" if step else "-"
+
+
+def _us(step: Step | None) -> str:
+    return f"{step.cpu_per_token * 1e6:.0f}" if step else "-"
+
+
+def _busy(step: Step | None) -> str:
+    return f"{step.worker_cpu:.0%}" if step else "-"
 
 
 def _mib(step: Step | None) -> str:
@@ -865,41 +1016,62 @@ def _mib(step: Step | None) -> str:
 # --- main ---------------------------------------------------------------------------------
 
 
-async def run(
-    plan: Plan, systems: list[System], phases: list[str], logs: Path
-) -> dict[str, dict[str, Any]]:
+async def run(plan: Plan, systems: list[System], logs: Path) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {s.name: {} for s in systems}
+    tls = make_certificate(logs)
     with (
         redis_server(logs) as (redis_url, redis_pid),
-        mock_upstream(logs, plan.mock_workers) as (mock_url, mock_pid),
+        mock_upstream(logs) as (mock_url, mock_pid),
+        mock_upstream(logs, tls) as (tls_url, tls_pid),
     ):
         redis = Redis.from_url(redis_url)
-        helpers = {"mock": mock_pid, "redis": redis_pid}
-        env = Env(plan, redis_url, mock_url, logs, redis, helpers, plan.quiet_budget)
+        env = Env(plan, redis_url, mock_url, logs, redis, {"mock": mock_pid, "redis": redis_pid})
+        env.quiet_budget = plan.quiet_budget
+        over_tls = Env(plan, redis_url, tls_url, logs, redis, {"mock": tls_pid, "redis": redis_pid})
+        over_tls.ca_file = str(tls[0])
         try:
-            for system in systems if "throughput" in phases else []:
-                results[system.name]["throughput"] = await throughput(env, system)
-            for system in systems if "capacity" in phases else []:
-                best, steps = await capacity(env, system)
-                results[system.name]["capacity"] = best
-                results[system.name]["steps"] = steps
+            await run_phases(plan, systems, env, over_tls, results)
         finally:
             await redis.aclose()
     return results
+
+
+async def run_phases(
+    plan: Plan, systems: list[System], env: Env, over_tls: Env, results: dict[str, dict[str, Any]]
+) -> None:
+    for system in systems if "throughput" in plan.phases else []:
+        results[system.name]["throughput"] = await throughput(env, system)
+    for phase in ("capacity", "tls", "coalesced"):
+        if phase not in plan.phases:
+            continue
+        phase_env = over_tls if phase == "tls" else env
+        phase_env.tick = plan.coalesced_tick if phase == "coalesced" else plan.tick
+        for system in systems:
+            print(f"{phase}: {system.label}", flush=True)
+            over_tls.quiet_budget = env.quiet_budget
+            best, steps = await capacity(phase_env, system)
+            env.quiet_budget = phase_env.quiet_budget
+            results[system.name][phase] = best
+            results[system.name][phase + "-steps"] = steps
+    for system in systems if "memory" in plan.phases else []:
+        results[system.name]["memory"] = await memory(env, system)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--only", choices=["ours", "peer"], help="run one system only")
-    parser.add_argument("--phase", choices=["throughput", "capacity"], help="run one phase only")
+    parser.add_argument(
+        "--phase",
+        help="comma-separated phases: throughput, capacity, tls, memory (default: all four),"
+        " coalesced (extra: capacity with a coalescing mock)",
+    )
     parser.add_argument("--duration", type=float, help="seconds of streaming per step")
     parser.add_argument("--start", type=int, help="first capacity step (both systems)")
     parser.add_argument("--max-streams", type=int, help="largest capacity step to try")
     parser.add_argument("--steps", help="comma-separated capacity steps to run (no search)")
     parser.add_argument("--consumers", type=int, help="consumer processes")
     parser.add_argument("--chatstream", help="the chatstream executable to run (A/B builds)")
-    parser.add_argument("--mock-workers", type=int, help="mock upstream processes")
     parser.add_argument(
         "--nice", type=int, default=0, help="niceness for this run and all it starts (inherited)"
     )
@@ -922,8 +1094,17 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
         overrides["chatstream"] = args.chatstream
     if args.steps:
         overrides["steps"] = tuple(int(n) for n in args.steps.split(","))
-    if args.mock_workers:
-        overrides["mock_workers"] = args.mock_workers
+    if args.phase:
+        overrides["phases"] = tuple(args.phase.split(","))
+        unknown = set(overrides["phases"]) - {
+            "throughput",
+            "capacity",
+            "tls",
+            "memory",
+            "coalesced",
+        }
+        if unknown:
+            parser.error(f"unknown phases {sorted(unknown)}")
     return args, Plan(**{**plan.__dict__, **overrides})
 
 
@@ -938,7 +1119,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         set_autogroup_nice(os.getpid())  # this session: the consumers
     ensure_peer_venv()
     systems: list[System] = [s for s in (Ours(), Peer()) if args.only in (None, s.name)]
-    phases = [p for p in ("throughput", "capacity") if args.phase in (None, p)]
     logs = Path(tempfile.mkdtemp(prefix="bench-worker-"))
     background = machine_load()
     print(f"machine: {os.cpu_count()} CPUs, {background:.0%} busy before the run", flush=True)
@@ -946,7 +1126,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("warning: other processes are using the CPU; the figures will be lower", flush=True)
     began = time.monotonic()
     try:
-        results = asyncio.run(run(plan, systems, phases, logs))
+        results = asyncio.run(run(plan, systems, logs))
     except BaseException:
         print(f"logs kept in {logs}", file=sys.stderr)
         raise
