@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from worker.settings import Settings
 
@@ -130,7 +131,9 @@ class Supervisor:
         env = {**self.env, ENV_SUPERVISOR: str(os.getpid())}
         if self.metrics_port:
             env["CHATSTREAM_METRICS_PORT"] = str(self.metrics_port + slot)
-        process = await asyncio.create_subprocess_exec(*self.command, env=env, process_group=0)
+        process = await asyncio.create_subprocess_exec(
+            *self.command, env=env, **_own_process_group()
+        )
         self.children[slot] = process
         if self.stopping.is_set():  # a signal arrived while it was starting
             process.send_signal(signal.SIGTERM)
@@ -153,6 +156,15 @@ async def supervise(settings: Settings, processes: int, *, concurrency: int = 0)
         kill_after=settings.shutdown_grace_seconds + KILL_MARGIN,
     )
     return await supervisor.run()
+
+
+def _own_process_group() -> dict[str, Any]:
+    """Start a child in a process group of its own: ``process_group=0``, or under uvloop
+    (whose ``subprocess_exec`` does not take it) the same ``setpgid(0, 0)`` as
+    ``preexec_fn``."""
+    if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
+        return {"preexec_fn": os.setpgrp}
+    return {"process_group": 0}
 
 
 def watch_parent(interval: float = 1.0) -> asyncio.Task[None] | None:
