@@ -240,3 +240,43 @@ async def test_https_upstream_with_an_untrusted_certificate_is_refused(
         chain.append(exc)
         exc = exc.__cause__ or exc.__context__
     assert any(isinstance(e, ssl.SSLCertVerificationError) for e in chain)
+
+
+# --- the body as the relay reads it ----------------------------------------------------------
+
+
+async def test_a_compressed_body_is_still_decoded() -> None:
+    """We ask for identity; an upstream that gzips anyway is decoded (aiter_bytes)."""
+    import gzip
+
+    body = gzip.compress(EVENT + b"data: [DONE]\n\n")
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = HEAD.replace(b"\r\n\r\n", b"\r\ncontent-encoding: gzip\r\n\r\n")
+        writer.write(head + chunked(body[:10]) + chunked(body[10:]) + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with server(serve) as url, UpstreamClient(settings_for(url)) as client:
+        assert await collect(client) == EVENT + b"data: [DONE]\n\n"
+
+
+async def test_an_identity_body_arrives_read_by_read() -> None:
+    """Unencoded, each socket read reaches the relay as it came (aiter_raw)."""
+    gate = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(EVENT))
+        await writer.drain()
+        await gate.wait()
+        writer.write(chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with (
+        server(serve) as url,
+        UpstreamClient(settings_for(url)) as client,
+        client.stream("default", BODY) as chunks,
+    ):
+        received = [await anext(chunks)]
+        gate.set()
+        received += [chunk async for chunk in chunks]
+    assert received == [EVENT, b"data: [DONE]\n\n"]

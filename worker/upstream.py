@@ -260,9 +260,12 @@ def _new_http_client(settings: Settings, timeout: httpx.Timeout) -> httpx.AsyncC
 
 def _body_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
     """The body as it arrives: ``aiter_raw`` when it is not content-encoded (we ask for
-    identity; one generator layer less per read), else ``aiter_bytes``, which decodes."""
+    identity; one generator layer less per read), else ``aiter_bytes``, which decodes (and
+    also serves a body that was read already, as transports that are not sockets give)."""
     encoding = response.headers.get("content-encoding", "").strip().lower()
-    return response.aiter_raw() if encoding in ("", "identity") else response.aiter_bytes()
+    if encoding in ("", "identity") and not response.is_stream_consumed:
+        return response.aiter_raw()
+    return response.aiter_bytes()
 
 
 def _request_headers(target: Upstream) -> dict[str, str]:
