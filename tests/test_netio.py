@@ -280,3 +280,24 @@ async def test_an_identity_body_arrives_read_by_read() -> None:
         gate.set()
         received += [chunk async for chunk in chunks]
     assert received == [EVENT, b"data: [DONE]\n\n"]
+
+
+async def test_unix_socket_and_refused_connections_map_to_httpcore_errors(
+    tmp_path: Any,
+) -> None:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(await reader.readexactly(4))
+        await writer.drain()
+        writer.close()
+
+    path = str(tmp_path / "echo.sock")
+    backend = ProtocolBackend()
+    async with await asyncio.start_unix_server(echo, path):
+        stream = await backend.connect_unix_socket(path, timeout=5)
+        await stream.write(b"ping", timeout=5)
+        assert await stream.read(100, timeout=5) == b"ping"
+        assert await stream.read(100, timeout=5) == b""  # the server closed: EOF
+        await stream.aclose()
+    with pytest.raises(httpcore.ConnectError) as info:
+        await backend.connect_unix_socket(path, timeout=5)  # nobody listens any more
+    assert isinstance(info.value.__cause__, OSError)

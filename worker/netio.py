@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import httpcore
@@ -233,18 +233,14 @@ class ProtocolBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[SOCKET_OPTION] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
         local = (local_address, 0) if local_address else None
-        reader = _Reader()
-        try:
-            async with asyncio.timeout(timeout):
-                await loop.create_connection(lambda: reader, host, port, local_addr=local)
-        except TimeoutError as exc:
-            raise httpcore.ConnectTimeout(exc) from exc
-        except OSError as exc:
-            raise httpcore.ConnectError(exc) from exc
-        _set_options(reader, socket_options)
-        return ProtocolStream(reader)
+        return await _connect(
+            lambda loop, reader: loop.create_connection(
+                lambda: reader, host, port, local_addr=local
+            ),
+            timeout,
+            socket_options,
+        )
 
     async def connect_unix_socket(
         self,
@@ -252,20 +248,35 @@ class ProtocolBackend(httpcore.AsyncNetworkBackend):
         timeout: float | None = None,
         socket_options: Iterable[SOCKET_OPTION] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        reader = _Reader()
-        try:
-            async with asyncio.timeout(timeout):
-                await loop.create_unix_connection(lambda: reader, path)
-        except TimeoutError as exc:
-            raise httpcore.ConnectTimeout(exc) from exc
-        except OSError as exc:
-            raise httpcore.ConnectError(exc) from exc
-        _set_options(reader, socket_options)
-        return ProtocolStream(reader)
+        return await _connect(
+            lambda loop, reader: loop.create_unix_connection(lambda: reader, path),
+            timeout,
+            socket_options,
+        )
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+
+Opener = Callable[
+    [asyncio.AbstractEventLoop, _Reader], Awaitable[tuple[asyncio.BaseTransport, Any]]
+]
+
+
+async def _connect(
+    open_connection: Opener, timeout: float | None, options: Iterable[SOCKET_OPTION] | None
+) -> ProtocolStream:
+    """Open a connection for a new reader, with httpcore's connect errors."""
+    reader = _Reader()
+    try:
+        async with asyncio.timeout(timeout):
+            await open_connection(asyncio.get_running_loop(), reader)
+    except TimeoutError as exc:
+        raise httpcore.ConnectTimeout(exc) from exc
+    except OSError as exc:
+        raise httpcore.ConnectError(exc) from exc
+    _set_options(reader, options)
+    return ProtocolStream(reader)
 
 
 def _set_options(reader: _Reader, options: Iterable[SOCKET_OPTION] | None) -> None:
