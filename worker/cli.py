@@ -14,11 +14,10 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from schemas.events import EventType, StreamEvent
-from schemas.jobs import JobRecord
 from worker import logs
 from worker.client import Client
 from worker.errors import ChatstreamError
+from worker.output import print_event, print_record
 from worker.settings import Settings, load_settings
 
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
@@ -206,46 +205,6 @@ async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     if "log_level" not in settings.model_fields_set:  # the reply is the demo's output
         logging.getLogger("chatstream").setLevel(logging.WARNING)
     return await run_demo(settings, args.message, tokens=args.tokens, rate=args.rate)
-
-
-# -- output -----------------------------------------------------------------------------
-
-
-def print_event(event: StreamEvent, *, as_json: bool) -> None:
-    if as_json:
-        line = {
-            "id": event.id,
-            "type": event.type.value,
-            "attempt": event.attempt,
-            "data": event.data,
-        }
-        print(json.dumps(line, ensure_ascii=False), flush=True)
-    elif event.type is EventType.DELTA:
-        print(event.data.get("content", ""), end="", flush=True)
-    elif event.type is EventType.RESET:
-        print(f"\n[reset: attempt {event.attempt} starts over]", flush=True)
-    else:
-        print(f"\n[{event.type.value}]", flush=True)
-
-
-def print_record(record: JobRecord, *, as_json: bool) -> None:
-    if as_json:
-        print(record.model_dump_json(exclude={"request"}), flush=True)
-        return
-    print(f"job       {record.id}\nstatus    {record.status.value}\nattempt   {record.attempt}")
-    if record.finish_reason:
-        print(f"finish    {record.finish_reason}")
-    if record.usage:
-        print(f"usage     {json.dumps(record.usage)}")
-    if record.error:
-        print(f"error     {json.dumps(record.error)}")
-    if record.tool_calls:
-        print(f"tools     {json.dumps(record.tool_calls)}")
-    print(
-        f"content   {record.content!r}"
-        if len(record.content) < 200
-        else f"content   {record.content[:200]!r}… ({len(record.content)} chars)"
-    )
 
 
 # -- parser -----------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from contextlib import AsyncExitStack
 
 from redis.asyncio import Redis
 
-from worker.cli import print_event, print_record
 from worker.client import Client, redis_from_settings
+from worker.output import print_event, print_record
 from worker.runner import Worker
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
