@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import signal
+import socket
 import subprocess
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -256,15 +261,9 @@ async def test_cancel_of_a_queued_job(cli: Cli) -> None:
     assert cli.mock.requests["/v1/chat/completions"] == 0
 
 
-async def test_enqueue_wait_times_out_with_one_line(cli: Cli) -> None:
-    result = await cli.run(
-        "enqueue", "--model", "m", "--message", "x", "--wait", "--timeout", "0.3"
-    )
-    assert result.returncode == 1
-    assert result.stderr == "chatstream: error: timed out\n"
+# -- user errors: one line on stderr, non-zero exit, no traceback, within 10 s -------------
 
-
-# -- user errors: one line on stderr, non-zero exit, no traceback ---------------------------
+DEADLINE = 10  # seconds: every failure a user can cause is reported within this long
 
 
 def assert_one_line_error(result: Result, fragment: str, args: Any = None) -> None:
@@ -276,12 +275,39 @@ def assert_one_line_error(result: Result, fragment: str, args: Any = None) -> No
     assert fragment in lines[0], (args, lines[0])
 
 
+async def test_enqueue_wait_times_out_with_one_line(cli: Cli) -> None:
+    result = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "never-run", "--wait",
+        "--timeout", "0.3", timeout=DEADLINE,
+    )  # fmt: skip
+    assert_one_line_error(result, "timed out after 0.3s; job never-run goes on")
+    assert result.stdout == "never-run\n"
+
+
+async def test_enqueue_follow_honours_the_timeout(
+    cli: Cli, worker: subprocess.Popen[bytes]
+) -> None:
+    """A 4 s reply followed with --timeout 1: the tokens so far, then one line, exit 1."""
+    result = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "slow-follow", "--follow",
+        "--timeout", "1", "--mock", '{"tokens": 80, "rate": 20}', timeout=DEADLINE,
+    )  # fmt: skip
+    assert_one_line_error(result, "timed out after 1s; job slow-follow goes on")
+    assert result.stdout.startswith("slow-follow\ntok0 tok1")
+    assert result.stdout.endswith("\n") and "[done]" not in result.stdout
+    assert (await cli.client.get("slow-follow")).status == "running"
+
+
 USER_ERRORS: list[tuple[list[str], dict[str, str], str]] = [
     (["status", "x"], {"CHATSTREAM_REDIS_URL": "http://127.0.0.1:1/0"},
      "invalid settings: CHATSTREAM_REDIS_URL"),
     (["worker"], {"CHATSTREAM_CONCURRENCY": "abc"}, "invalid settings: CHATSTREAM_CONCURRENCY"),
     (["status", "x"], {"CHATSTREAM_RETENTION_SECONDS": "0"},
      "invalid settings: CHATSTREAM_RETENTION_SECONDS"),
+    (["stats"], {"CHATSTREAM_UPSTREAMS": "not json"},
+     "invalid settings: CHATSTREAM_UPSTREAMS: not valid JSON (Expecting value"),
+    (["worker"], {"CHATSTREAM_UPSTREAMS__LOCAL__URL": "ftp://x"},
+     "invalid settings: CHATSTREAM_UPSTREAMS__LOCAL__URL: String should match pattern"),
     (["status", "nope"], {}, "no job 'nope'"),
     (["tail", "nope"], {}, "no job 'nope'"),
     (["cancel", "nope"], {}, "no job 'nope'"),
@@ -292,15 +318,16 @@ USER_ERRORS: list[tuple[list[str], dict[str, str], str]] = [
 
 
 async def test_user_errors_are_one_line(cli: Cli) -> None:
-    results = await asyncio.gather(*(cli.run(*args, env=env) for args, env, _ in USER_ERRORS))
+    results = await asyncio.gather(
+        *(cli.run(*args, env=env, timeout=DEADLINE) for args, env, _ in USER_ERRORS)
+    )
     for (args, _, fragment), result in zip(USER_ERRORS, results, strict=True):
         assert_one_line_error(result, fragment, args)
     assert await cli.redis.xlen(cli.keys.queue) == 0
 
 
-@pytest.mark.slow  # the client retries connecting for about 6 s first
-async def test_redis_down_is_one_line(cli: Cli) -> None:
-    """A closed port: one line naming the URL (without its password) after the retries."""
+async def test_redis_down_is_one_line_at_once(cli: Cli) -> None:
+    """A closed port: one line naming the URL (without its password), no retries first."""
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     cases = [
@@ -314,11 +341,121 @@ async def test_redis_down_is_one_line(cli: Cli) -> None:
         ),
     ]
     results = await asyncio.gather(
-        *(cli.run(*args, env={"CHATSTREAM_REDIS_URL": u}) for args, u, _ in cases)
+        *(cli.run(*args, env={"CHATSTREAM_REDIS_URL": u}, timeout=DEADLINE) for args, u, _ in cases)
     )
     for (args, _, fragment), result in zip(cases, results, strict=True):
         assert_one_line_error(result, fragment, args)
         assert "s3cret" not in result.stderr
+
+
+@asynccontextmanager
+async def silent_server() -> AsyncIterator[int]:
+    """A port that accepts connections and never answers (a wrong port, a hung proxy)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_port_that_is_not_redis_is_one_line(cli: Cli) -> None:
+    """Something silent on the port, and an HTTP server (the mock upstream) on it."""
+    http_port = urlsplit(cli.env["CHATSTREAM_UPSTREAM_URL"]).port
+    async with silent_server() as silent_port:
+        silent, http = await asyncio.gather(
+            cli.run("stats", env={"CHATSTREAM_REDIS_URL": f"redis://127.0.0.1:{silent_port}/0"},
+                    timeout=DEADLINE),
+            cli.run("stats", env={"CHATSTREAM_REDIS_URL": f"redis://127.0.0.1:{http_port}/0"},
+                    timeout=DEADLINE),
+        )  # fmt: skip
+    assert_one_line_error(silent, f"no answer from Redis at redis://127.0.0.1:{silent_port}/0")
+    assert "within 5s (is it a Redis server?)" in silent.stderr
+    assert_one_line_error(http, f"Redis at redis://127.0.0.1:{http_port}/0")  # (no answer)
+
+
+async def test_a_busy_port_is_one_line(cli: Cli) -> None:
+    """The mock's port, and the metrics port of a worker and of the demo, taken."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = {"CHATSTREAM_METRICS_PORT": str(port), "CHATSTREAM_METRICS_HOST": "127.0.0.1"}
+        demo_env = {**clean_env(), **busy}  # the demo's own Redis stand-in and mock
+        mock, worker, demo = await asyncio.gather(
+            cli.run("mock-upstream", "--port", str(port), timeout=DEADLINE),
+            cli.run("worker", env=busy, timeout=DEADLINE),
+            run_with_env(demo_env, cli.cwd, "demo"),
+        )
+    address = f"127.0.0.1:{port}: address already in use"
+    assert_one_line_error(mock, f"the mock upstream cannot listen on {address}")
+    metrics = f"the metrics server (CHATSTREAM_METRICS_PORT) cannot listen on {address}"
+    assert_one_line_error(worker, metrics)
+    # the demo says which stand-ins it uses first, then the one error line
+    assert demo.returncode == 1 and "Traceback" not in demo.stderr, demo
+    assert demo.stderr.splitlines()[-1] == f"chatstream: error: {metrics}"
+
+
+async def run_with_env(env: dict[str, str], cwd: Path, *args: str) -> Result:
+    process = await asyncio.create_subprocess_exec(
+        CHATSTREAM, *args, env=env, cwd=cwd,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(DEADLINE):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return Result(process.returncode, out.decode(), err.decode())
+
+
+async def test_records_from_other_producers(cli: Cli) -> None:
+    """No ``id``: the key names the job. No or an unknown ``status``: one clear line."""
+    fields: Any = {"status": "queued", "attempt": "0", "request": "{}"}
+    await cli.redis.hset(cli.keys.job("no-id"), mapping=fields)
+    await cli.redis.hset(cli.keys.job("no-status"), mapping={"id": "no-status"})
+    await cli.redis.hset(cli.keys.job("odd-status"), mapping={**fields, "status": "pending"})
+    no_id, no_status, odd = await asyncio.gather(
+        cli.run("status", "no-id", "--json", timeout=DEADLINE),
+        cli.run("status", "no-status", timeout=DEADLINE),
+        cli.run("tail", "odd-status", timeout=DEADLINE),
+    )
+    assert no_id.returncode == 0, no_id.stderr
+    assert json.loads(no_id.stdout)["id"] == "no-id"
+    assert_one_line_error(no_status, "job 'no-status': malformed record (status: Field required)")
+    assert_one_line_error(odd, "job 'odd-status': malformed record (status: Input should be")
+
+
+async def test_output_closed_early_exits_quietly(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
+    """``| head -1``: exit 141 (SIGPIPE's status) with nothing on stderr, while the job
+    still runs; the job is not disturbed."""
+    job_id = await cli.client.enqueue(chat("piped", tokens=60, rate=20), job_id="piped")
+    chatstream = shlex.quote(CHATSTREAM)
+    pipes = [
+        f"{chatstream} tail {job_id} --json | head -1",
+        f"{chatstream} enqueue --model m --message x --wait --mock '{{\"tokens\": 5}}' | head -1",
+    ]
+    for pipeline in pipes:
+        process = await asyncio.create_subprocess_exec(
+            "bash", "-c", f"set -o pipefail; {pipeline}", env=cli.env, cwd=cli.cwd,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        async with asyncio.timeout(DEADLINE):
+            out, err = await process.communicate()
+        assert process.returncode == 141, (pipeline, err.decode())
+        assert err == b"", (pipeline, err.decode())
+        assert len(out.decode().splitlines()) == 1, pipeline
+    assert (await cli.client.result(job_id, timeout=15)).status == "succeeded"
+
+
+async def test_version(cli: Cli) -> None:
+    result = await cli.run("--version", timeout=DEADLINE)
+    assert (result.returncode, result.stdout) == (0, f"chatstream {version('chatstream')}\n")
 
 
 USAGE_ERRORS: list[tuple[list[str], str]] = [

@@ -1,4 +1,12 @@
-"""The ``chatstream`` command. Every failure a user can cause is one line and exit 1."""
+"""The ``chatstream`` command.
+
+Exit codes: 0 done; 1 an error the user can fix, said in one line on stderr (never a
+traceback); 2 a usage error (argparse); 3 the job did not succeed (``enqueue --wait``,
+``--follow``, ``demo``); 130 interrupted; 141 stdout was closed (``... | head -1``), like
+other Unix tools, silently.
+
+Subcommands are registered in :data:`SUBCOMMANDS`: one ``_add_*`` function each.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +14,26 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from worker import logs
-from worker.client import Client
+from worker.client import Client, ensure_reachable
 from worker.errors import ChatstreamError
 from worker.output import print_event, print_record
+from worker.runtime import redacted_url
 from worker.settings import Settings, load_settings
 
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 log = logging.getLogger("chatstream.cli")
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -37,16 +49,22 @@ def run_command(args: argparse.Namespace) -> int:
         logs.configure(settings)
         command: Command = args.command
         return asyncio.run(command(settings, args))
-    except ChatstreamError as exc:
-        return fail(exc.message)
-    except RedisConnectionError as exc:
-        return fail(f"cannot reach Redis at {redacted_url(redis_url)}: {exc}")
-    except RedisError as exc:
-        return fail(f"Redis error: {exc}")
-    except TimeoutError:
-        return fail("timed out")
+    except (ChatstreamError, RedisError, TimeoutError) as exc:
+        return fail(error_message(exc, redis_url))
+    except BrokenPipeError:
+        return stdout_closed()
     except KeyboardInterrupt:
         return 130
+
+
+def error_message(exc: ChatstreamError | RedisError | TimeoutError, redis_url: str) -> str:
+    if isinstance(exc, ChatstreamError):
+        return exc.message
+    if isinstance(exc, RedisConnectionError):
+        return f"cannot reach Redis at {redacted_url(redis_url)}: {exc}"
+    if isinstance(exc, RedisError):
+        return f"Redis error: {exc}"
+    return "timed out"  # commands say what timed out; this is a last resort
 
 
 def fail(message: str) -> int:
@@ -54,28 +72,22 @@ def fail(message: str) -> int:
     return 1
 
 
-SECRET_QUERY_PARAMS = frozenset({"password", "ssl_password"})
+def stdout_closed() -> int:
+    """The reader of our output went away (``| head -1``): exit quietly, as ``cat`` does.
+
+    stdout is pointed at /dev/null so the interpreter's final flush cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
-def redacted_url(url: str) -> str:
-    """The Redis URL without its passwords (in the user info or the query string)."""
-    scheme, sep, rest = url.partition("://")
-    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
-    netloc, tail = rest[: min(ends, default=len(rest))], rest[min(ends, default=len(rest)) :]
-    auth, at, host = netloc.rpartition("@")  # like urllib: the last "@" ends the user info
-    if at:
-        user = auth.split(":", 1)[0]
-        netloc = f"{user}{':***' if ':' in auth else ''}@{host}"
-    path, question, query = tail.partition("?")
-    if question:
-        params = [_redacted_param(param) for param in query.split("&")]
-        tail = f"{path}?{'&'.join(params)}"
-    return f"{scheme}{sep}{netloc}{tail}"
-
-
-def _redacted_param(param: str) -> str:
-    name, eq, _ = param.partition("=")
-    return f"{name}=***" if eq and name.lower() in SECRET_QUERY_PARAMS else param
+def package_version() -> str:
+    try:
+        return version("chatstream")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -83,9 +95,10 @@ def _redacted_param(param: str) -> str:
 
 @asynccontextmanager
 async def connected(settings: Settings) -> AsyncIterator[Client]:
+    """A client whose Redis answered a PING (within seconds, or RedisUnavailableError)."""
     client = Client.from_settings(settings)
     try:
-        await client.redis.ping()
+        await ensure_reachable(client.redis, redacted_url(settings.redis_url))
         yield client
     finally:
         await client.aclose()
@@ -120,13 +133,22 @@ async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
         job_id = await client.enqueue(request, job_id=args.job_id, upstream=args.upstream)
         if not (args.follow or args.wait) or not args.json:
             print(job_id, flush=True)
-        if args.follow:
-            await follow(client, job_id, as_json=args.json)
-        if args.wait or args.follow:
-            record = await client.result(job_id, timeout=args.timeout)
-            print_record(record, as_json=args.json)
-            return 0 if record.status == "succeeded" else 3
-    return 0
+        if not (args.follow or args.wait):
+            return 0
+        try:
+            async with asyncio.timeout(args.timeout):  # --follow and --wait alike
+                if args.follow:
+                    await follow(client, job_id, as_json=args.json)
+                record = await client.result(job_id)
+        except TimeoutError:
+            if args.follow and not args.json:
+                print(flush=True)  # end the partial line of text
+            return fail(
+                f"timed out after {args.timeout:g}s; job {job_id} goes on "
+                f"(chatstream tail {job_id})"
+            )
+        print_record(record, as_json=args.json)
+        return 0 if record.status == "succeeded" else 3
 
 
 async def follow(client: Client, job_id: str, *, as_json: bool) -> None:
@@ -215,13 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="chatstream",
         description="Chat-completion jobs in, live token streams out (Redis Streams).",
     )
+    parser.add_argument("--version", action="version", version=f"chatstream {package_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
-    _add_worker(sub)
-    _add_enqueue(sub)
-    _add_job_commands(sub)
-    _add_stats(sub)
-    _add_dead(sub)
-    _add_mock_and_demo(sub)
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
 
 
@@ -308,6 +327,15 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--rate", type=float, default=40.0)
     p.set_defaults(command=demo_command)
 
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [
+    _add_worker,
+    _add_enqueue,
+    _add_job_commands,
+    _add_stats,
+    _add_dead,
+    _add_mock_and_demo,
+]
 
 if __name__ == "__main__":
     main()

@@ -18,14 +18,15 @@ from typing import Any
 from pydantic import ValidationError
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.backoff import EqualJitterBackoff
+from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.events import StreamEvent
 from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import ChatRequest, JobSpec
-from worker.errors import InvalidJobError, JobNotFoundError
+from worker.errors import InvalidJobError, JobNotFoundError, RedisUnavailableError
 from worker.keys import Keys
 from worker.queue import DeadLetter, Queue
 from worker.records import Records, as_text, dumps
@@ -36,6 +37,8 @@ READ_BLOCK_MS = 2_000
 # a job step waits this long for a free pooled connection before it counts as a Redis error
 POOL_WAIT_SECONDS = 30
 REDIS_RETRIES = 10
+# the first PING of a command-line tool or worker: no retries, an answer within this long
+REACH_SECONDS = 5.0
 
 
 class Client:
@@ -105,10 +108,17 @@ class Client:
             raise InvalidJobError(f"invalid job: {problems}") from None
 
     async def get(self, job_id: str) -> JobRecord:
+        """The job's record; InvalidJobError when another producer wrote a malformed one."""
         raw = await self.records.fetch(job_id)
         if not raw:
             raise JobNotFoundError(f"no job {job_id!r} (never enqueued, or expired)")
-        return JobRecord.from_hash(_readable(raw))
+        raw.setdefault("id", job_id)  # the key names the job; a producer may omit the field
+        try:
+            return JobRecord.from_hash(_readable(raw))
+        except (ValidationError, ValueError, RecursionError) as exc:
+            raise InvalidJobError(
+                f"job {job_id!r}: malformed record ({_problem(exc)}); see docs/producers.md"
+            ) from None
 
     async def events(
         self, job_id: str, after: str = "0-0", block_ms: int = READ_BLOCK_MS
@@ -203,6 +213,38 @@ def _readable(raw: dict[str, str]) -> dict[str, str]:
     if isinstance(request, dict):
         return raw
     return {name: value for name, value in raw.items() if name != "request"}
+
+
+def _problem(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        where = ".".join(str(part) for part in err["loc"]) or "record"
+        return f"{where}: {err['msg']}"
+    return f"a JSON field does not parse: {str(exc)[:100]}"
+
+
+async def ensure_reachable(redis: Redis, where: str, timeout: float = REACH_SECONDS) -> None:
+    """One PING, not retried, answered within ``timeout``, or RedisUnavailableError.
+
+    A command-line tool (or a worker starting) should say at once that Redis is down or
+    that something else listens on the port, rather than ride out a restart for seconds
+    (which the client's retries do for every later command).
+    """
+    retry = redis.get_retry()
+    redis.set_retry(Retry(NoBackoff(), 0))
+    try:
+        async with asyncio.timeout(timeout):
+            await redis.ping()
+    except TimeoutError:
+        raise RedisUnavailableError(
+            f"no answer from Redis at {where} within {timeout:g}s (is it a Redis server?)"
+        ) from None
+    except (RedisError, OSError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise RedisUnavailableError(f"cannot reach Redis at {where}: {reason}") from None
+    finally:
+        if retry is not None:
+            redis.set_retry(retry)
 
 
 def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:

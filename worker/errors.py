@@ -8,6 +8,7 @@ talks to them, with ``raise ... from exc``; everything above sees only these::
     ├── InvalidJobError             a job payload or queue entry cannot be run (terminal)
     │   └── UnknownUpstreamError    the job names an upstream the settings do not define
     ├── JobNotFoundError            no record for that job id (expired or never enqueued)
+    ├── RedisUnavailableError       Redis did not answer at start (down, or not Redis)
     ├── StaleAttemptError           a fenced write lost: a newer attempt owns the job
     ├── ProtocolError               the upstream broke the SSE / chunk protocol (terminal)
     │   └── EventTooLargeError      one SSE event exceeded the configured size limit
@@ -66,6 +67,10 @@ class UnknownUpstreamError(InvalidJobError):
 
 class JobNotFoundError(ChatstreamError):
     code = "job_not_found"
+
+
+class RedisUnavailableError(ChatstreamError):
+    code = "redis_unavailable"
 
 
 class StaleAttemptError(ChatstreamError):

@@ -267,7 +267,7 @@ class MetricsServer:
 
         from worker.embedded_server import EmbeddedServer, bind
 
-        sock = bind(host, port)
+        sock = bind(host, port, what="the metrics server (CHATSTREAM_METRICS_PORT)")
         config = uvicorn.Config(
             self, log_config=None, log_level="warning", access_log=False, lifespan="off"
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from worker.errors import ConfigError, UnknownUpstreamError
 
@@ -186,12 +186,27 @@ class Settings(BaseSettings):
 
 
 def load_settings(**overrides: object) -> Settings:
-    """Settings from the environment, or one ConfigError naming every invalid field."""
+    """Settings from the environment, or one ConfigError naming every invalid variable."""
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        problems = "; ".join(
-            f"CHATSTREAM_{'_'.join(str(p) for p in err['loc']).upper() or 'SETTINGS'}: {err['msg']}"
-            for err in exc.errors()
-        )
+        problems = "; ".join(f"{variable_name(err['loc'])}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from None
+    except SettingsError as exc:  # a value that is not JSON where JSON is expected
+        raise ConfigError(f"invalid settings: {_unparsable(exc)}") from None
+
+
+def variable_name(loc: tuple[int | str, ...]) -> str:
+    """The variable that sets ``loc``: ``CHATSTREAM_UPSTREAMS__LOCAL__URL`` for a nested
+    key (``__`` is the nesting delimiter), ``CHATSTREAM_SETTINGS`` for the whole."""
+    return "CHATSTREAM_" + ("__".join(str(part) for part in loc).upper() or "SETTINGS")
+
+
+def _unparsable(exc: SettingsError) -> str:
+    """``CHATSTREAM_UPSTREAMS: not valid JSON (Expecting value: ...)`` from pydantic-settings'
+    ``error parsing value for field "upstreams" from source "EnvSettingsSource"``."""
+    field, _, rest = str(exc).partition('field "')[2].partition('"')
+    where = " (in .env)" if "DotEnv" in rest else ""
+    cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+    name = variable_name((field,)) if field else "a setting"
+    return f"{name}{where}: not valid JSON{cause}"
