@@ -86,11 +86,22 @@ class EventTooLargeError(ProtocolError):
 
 
 class UpstreamError(ChatstreamError):
+    """``status``: the HTTP status, when there was one; ``upstream``: the upstream's name
+    (for metrics and logs; not stored in the record, whose job names it already)."""
+
     code = "upstream"
 
-    def __init__(self, message: str, *, status: int | None = None, detail: Any = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        detail: Any = None,
+        upstream: str | None = None,
+    ) -> None:
         super().__init__(message, detail=detail)
         self.status = status
+        self.upstream = upstream
 
     def to_record(self) -> dict[str, Any]:
         record = super().to_record()
@@ -109,8 +120,9 @@ class RetryableUpstreamError(UpstreamError):
         status: int | None = None,
         detail: Any = None,
         retry_after: float | None = None,
+        upstream: str | None = None,
     ) -> None:
-        super().__init__(message, status=status, detail=detail)
+        super().__init__(message, status=status, detail=detail, upstream=upstream)
         self.retry_after = retry_after
 
 
