@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import os
 import secrets
@@ -29,7 +30,7 @@ from schemas.jobs import TERMINAL
 from worker import logs
 from worker.keys import Keys
 from worker.metrics import Metrics, MetricsServer
-from worker.pipeline import JobRun, Outcome, Services, run_job
+from worker.pipeline import JobRun, Outcome, Services, log_failure, run_job
 from worker.publisher import Publisher
 from worker.queue import Entry, Queue
 from worker.records import Records, Started, as_text
@@ -249,8 +250,9 @@ class Worker:
             log.warning(
                 "job %s runs under another queue entry; dropping %s", job_id, entry.entry_id
             )
-        elif started.state == "exhausted":
-            log.error("job %s failed: attempts exhausted after attempt %d", job_id, started.attempt)
+        elif started.state in ("exhausted", "invalid"):  # failed by the start script
+            logs.set_attempt(started.attempt)
+            log_failure(job_id, started.attempt, started.upstream, json.loads(started.error))
             self.metrics.job_failed_unstarted()
         if started.dead_pending:
             await self._dead_letter(job_id, started.attempt)
@@ -334,7 +336,9 @@ class Worker:
         for entry_id in lost:
             run = self.running.get(entry_id)
             if run is not None:
-                log.warning("job %s: lease lost to another worker; stopping", run.entry.job_id)
+                attempt = run.job.attempt if run.job is not None else None
+                with logs.job_context(run.entry.job_id, attempt):
+                    log.warning("job %s: lease lost to another worker; stopping", run.entry.job_id)
                 run.lost = True
                 if run.job is not None:
                     run.job.release_requested = True
@@ -348,11 +352,12 @@ class Worker:
             return
         for entry in await self.queue.stranded(self._lease_ms // 2):
             if entry.entry_id not in self.running:
-                log.warning(
-                    "queue entry %s (job %s) was never seen; running it now",
-                    entry.entry_id,
-                    entry.job_id,
-                )
+                with logs.job_context(entry.job_id):
+                    log.warning(
+                        "queue entry %s (job %s) was never seen; running it now",
+                        entry.entry_id,
+                        entry.job_id,
+                    )
                 self._launch(entry)
 
     async def _prune_consumers(self) -> None:
@@ -400,7 +405,8 @@ class Worker:
 
     def _cancel_run(self, run: Running) -> None:
         if run.job is not None and not run.job.cancel_requested:
-            log.info("job %s: cancel requested; closing the upstream", run.job.job_id)
+            with logs.job_context(run.job.job_id, run.job.attempt):
+                log.info("job %s: cancel requested; closing the upstream", run.job.job_id)
             run.job.cancel_requested = True
             run.task.cancel()
 
