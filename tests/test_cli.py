@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -29,6 +28,7 @@ from tests.support import (
     CHATSTREAM,
     check_stream,
     clean_env,
+    silent_server,
     spawn_worker,
     stop_worker,
     stream_entries,
@@ -346,24 +346,6 @@ async def test_redis_down_is_one_line_at_once(cli: Cli) -> None:
     for (args, _, fragment), result in zip(cases, results, strict=True):
         assert_one_line_error(result, fragment, args)
         assert "s3cret" not in result.stderr
-
-
-@asynccontextmanager
-async def silent_server() -> AsyncIterator[int]:
-    """A port that accepts connections and never answers (a wrong port, a hung proxy)."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        for writer in held:
-            writer.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_port_that_is_not_redis_is_one_line(cli: Cli) -> None:

@@ -123,7 +123,7 @@ async def stream_with_retries(
             await stream_once(services, job, body, acc)
             return acc.finish(), None
         except ChatstreamError as exc:
-            services.metrics.upstream_error(exc)
+            services.metrics.upstream_error(exc, job.upstream)
             if not await _may_retry(services, job, exc, tries):
                 return acc.finish(), exc
             services.metrics.pipeline_retry()
@@ -215,8 +215,10 @@ async def write_terminal(
         return Outcome.STALE
     status = terminal.fields["status"]
     services.metrics.job_finished(status, job.timing)
+    if final is not None:
+        services.metrics.job_usage(job.upstream, final.model, final.usage)
     if error is None and "error" in terminal.fields:  # the upstream's mid-stream error chunk
-        services.metrics.upstream_error_code("upstream_stream_error")
+        services.metrics.upstream_error_code("upstream_stream_error", job.upstream)
     if status == JobStatus.FAILED:
         log_failure(job.job_id, job.attempt, job.upstream, terminal.event_data["error"])
     else:

@@ -88,7 +88,9 @@ class Worker:
         self.keys = Keys(settings.prefix)
         self.records = Records(redis, self.keys, settings.retention_seconds)
         self.queue = Queue(redis, self.keys, self.name)
-        self.metrics = Metrics()
+        self.metrics = Metrics(
+            upstreams=settings.upstream_names(), max_models=settings.metrics_max_models
+        )
         self.metrics.in_flight.set_function(lambda: len(self.running))
         self.http: MetricsServer | None = None  # /metrics, /healthz, /readyz
         self.publisher = Publisher(

@@ -160,6 +160,13 @@ class Settings(BaseSettings):
     metrics_host: str = Field(
         "0.0.0.0", description="Address the metrics and health endpoints listen on."
     )
+    metrics_max_models: int = Field(
+        50,
+        ge=1,
+        le=10_000,
+        description="Distinct `model` label values of the token counters per worker process "
+        "(a bound on metric cardinality); later models are counted as `other`.",
+    )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level."
