@@ -491,6 +491,12 @@ async def test_worker_exits_0_on_sigterm_after_finishing_its_job(cli: Cli, tmp_p
     log_text = (tmp_path / "w.log").read_text()
     assert "Traceback" not in log_text
     assert "shutting down gracefully" in log_text
+    redis_at = urlsplit(cli.env["CHATSTREAM_REDIS_URL"]).netloc
+    upstream = cli.env["CHATSTREAM_UPSTREAM_URL"]
+    assert (
+        f" started: redis {redis_at}/0 tls=off prefix={cli.prefix} upstreams: default={upstream}"
+        " concurrency=4 lease=30s event_loop=asyncio redis_parser=python\n"
+    ) in log_text
 
 
 async def test_demo_runs_without_any_configuration(tmp_path: Path) -> None:

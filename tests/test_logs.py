@@ -12,11 +12,14 @@ from typing import Any
 
 import pytest
 from pydantic import SecretStr
+from redis.asyncio import Redis
 
 from tests.conftest import Harness, chat, free_port
 from tests.support import custom_harness, inject
 from tests.test_security import echo_server
 from worker import logs
+from worker.runner import Worker
+from worker.runtime import RuntimeChoices, runtime_choices
 from worker.settings import Settings, Upstream
 
 log = logging.getLogger("chatstream.test")
@@ -298,3 +301,84 @@ async def test_every_line_about_a_job_carries_its_id(
             assert line.get("job") == job_id, line
             assert "attempt" in line, line
     assert any("cancel requested" in line["message"] for line in ours)
+
+
+# -- the start-up line ------------------------------------------------------------------
+
+
+async def test_the_start_up_line_describes_the_configuration_without_secrets(
+    settings: Settings, redis: Redis, root_debug: logging.Logger
+) -> None:
+    """One INFO line: Redis host/db/TLS and user (no password), prefix, upstreams by name
+    and URL (no keys, no headers), concurrency, lease, event loop and Redis parser."""
+    secrets = ("s3cret-redis-pw", "sk-default-key", "sk-named-key", "hdr-secret")
+    configured = json_settings(
+        settings,
+        redis_url=f"rediss://chatstream:{secrets[0]}@redis.internal:6380/2",
+        upstream_url="https://api.example.com/v1",
+        upstream_api_key=SecretStr(secrets[1]),
+        upstreams={
+            "local": Upstream(
+                url="http://vllm.internal:8000/v1",
+                api_key=SecretStr(secrets[2]),
+                headers={"Authorization": f"Bearer {secrets[3]}", "X-Title": "app"},
+            )
+        },
+        concurrency=17,
+        lease_seconds=12,
+    )
+    stream = io.StringIO()
+    handler = logs.build_handler(configured, stream)
+    root_debug.addHandler(handler)
+    worker = Worker(configured, redis, name="w-startup")
+    try:
+        await worker.startup()
+        await worker.shutdown()
+    finally:
+        root_debug.removeHandler(handler)
+    [line] = [x for x in lines(stream) if " started: " in x["message"]]
+    assert line["level"] == "INFO" and line["logger"] == "chatstream.worker"
+    assert line["message"] == (
+        "worker w-startup started: redis chatstream@redis.internal:6380/2 tls=on "
+        f"prefix={configured.prefix} upstreams: default=https://api.example.com/v1 "
+        "local=http://vllm.internal:8000/v1 concurrency=17 lease=12s event_loop=asyncio "
+        "redis_parser=python"
+    )
+    assert line["upstreams"] == {
+        "default": "https://api.example.com/v1",
+        "local": "http://vllm.internal:8000/v1",
+    }
+    assert (line["event_loop"], line["redis_parser"]) == ("asyncio", "python")
+    assert not any("UPSTREAM_URL is not set" in x["message"] for x in lines(stream))
+    text = stream.getvalue()
+    for secret in secrets:
+        assert secret not in text
+
+
+async def test_an_unconfigured_default_upstream_is_a_warning(
+    redis: Redis, prefix: str, root_debug: logging.Logger
+) -> None:
+    bare = Settings(_env_file=None, prefix=prefix, log_format="json")  # nothing configured
+    stream = io.StringIO()
+    handler = logs.build_handler(bare, stream)
+    root_debug.addHandler(handler)
+    worker = Worker(bare, redis)
+    try:
+        await worker.startup()
+        await worker.shutdown()
+    finally:
+        root_debug.removeHandler(handler)
+    [warning] = [x for x in lines(stream) if x["level"] == "WARNING"]
+    assert warning["message"].startswith(
+        "CHATSTREAM_UPSTREAM_URL is not set: jobs for the upstream 'default' go to the "
+        "built-in http://127.0.0.1:8400/v1"
+    )
+
+
+async def test_runtime_choices_name_the_loop_and_the_parser(redis: Redis) -> None:
+    import fakeredis
+
+    assert runtime_choices(redis) == RuntimeChoices("asyncio", "python")
+    fake = fakeredis.FakeAsyncRedis()
+    assert runtime_choices(fake).redis_parser == "fakeredis"
+    await fake.aclose()

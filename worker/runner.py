@@ -34,6 +34,7 @@ from worker.pipeline import JobRun, Outcome, Services, log_failure, run_job
 from worker.publisher import Publisher
 from worker.queue import Entry, Queue
 from worker.records import Records, Started, as_text
+from worker.runtime import default_upstream_unset, startup_summary
 from worker.settings import Settings
 from worker.tasks import Backoff, cancel_and_wait
 from worker.upstream import UpstreamClient
@@ -124,7 +125,19 @@ class Worker:
             asyncio.create_task(self._maintain(), name="chatstream-maintain"),
             asyncio.create_task(self._listen_for_cancels(), name="chatstream-cancels"),
         ]
-        log.info("worker %s started (concurrency %d)", self.name, self.settings.concurrency)
+        self._log_configuration()
+
+    def _log_configuration(self) -> None:
+        """One INFO line: what this worker runs with (no secrets); a WARNING when nobody
+        configured the upstream ``default`` (its jobs would go to the built-in URL)."""
+        message, fields = startup_summary(self.settings, self.redis, self.name)
+        log.info("%s", message, extra={"fields": fields})
+        if default_upstream_unset(self.settings):
+            log.warning(
+                "CHATSTREAM_UPSTREAM_URL is not set: jobs for the upstream 'default' go to "
+                "the built-in %s (where `chatstream mock-upstream` listens)",
+                self.settings.upstream_url,
+            )
 
     async def consume(self) -> None:
         """Read and launch jobs until asked to stop."""
