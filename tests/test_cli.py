@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import signal
 import socket
@@ -240,6 +241,49 @@ async def test_tail_follows_a_running_job(cli: Cli, worker: subprocess.Popen[byt
         await process.communicate()
     assert process.returncode == 0
     assert (await cli.client.get(job_id)).status == "succeeded"
+
+
+async def test_status_of_a_running_job_shows_its_progress(
+    cli: Cli, worker: subprocess.Popen[bytes]
+) -> None:
+    job_id = await cli.client.enqueue(chat("slow", tokens=80, rate=20))
+    key = cli.keys.events(job_id)
+    assert await cli.redis.xread({key: "0-0"}, count=1, block=10_000)
+    result = await cli.run("status", job_id)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:3] == [f"job       {job_id}", "status    running", "attempt   1"]
+    assert re.fullmatch(
+        r"progress  (\d+) deltas, (\d+) characters so far; running \d+\.\ds, "
+        r"last delta \d+\.\ds ago",
+        lines[3],
+    ), lines[3]
+    assert lines[4].startswith("worker    ") and len(lines) == 5  # no empty content line
+    assert (await cli.client.get(job_id)).status == "running"
+
+
+async def test_jobs_lists_newest_first(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
+    ok = await cli.client.enqueue(chat("fine"), job_id="listed-ok")
+    bad = await cli.client.enqueue(chat("bad", fault="http_401"), job_id="listed-bad")
+    for job_id in (ok, bad):
+        await cli.client.result(job_id, timeout=15)
+    text, failed, first = await asyncio.gather(
+        cli.run("jobs"),
+        cli.run("jobs", "--status", "failed", "--json"),
+        cli.run("jobs", "--limit", "1"),
+    )
+    assert text.returncode == 0, text.stderr
+    header, *rows = text.stdout.splitlines()
+    assert header.split()[:4] == ["created", "(UTC)", "job", "status"]
+    assert [row.split()[2:5] for row in rows] == [
+        ["listed-bad", "failed", "default"],
+        ["listed-ok", "succeeded", "default"],
+    ]
+    assert "upstream_terminal: upstream 'default' returned HTTP 401" in rows[0]
+    [line] = [json.loads(x) for x in failed.stdout.splitlines()]
+    assert (line["id"], line["status"], line["error"]["status"]) == ("listed-bad", "failed", 401)
+    assert first.stdout.splitlines()[1].split()[2] == "listed-bad"
+    assert first.stderr.startswith("(more: chatstream jobs --before ")
 
 
 async def test_cancel_of_a_queued_job(cli: Cli) -> None:

@@ -6,9 +6,9 @@
 * ``docs/redis.md`` names the real keys and documents every record field the code writes.
 * Every event a real worker writes validates as its documented data model, and the
   ``docs/events.md`` sample entries do too.
-* The ``python`` and ``sh`` examples of ``docs/consumers.md`` and ``docs/redis.md`` run
-  against a real redis-server and worker (prefix ``chatstream`` on database 15 of the
-  test server). ``console`` blocks are illustrations and are not run.
+* The ``python`` and ``sh`` examples of ``docs/consumers.md``, ``docs/redis.md`` and
+  ``docs/producers.md`` run against a real redis-server and worker (prefix ``chatstream``
+  on database 15 of the test server). ``console`` blocks are illustrations and are not run.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ OUR_DOCS = (
     "configuration.md",
     "scaling.md",
     "consumers.md",
+    "producers.md",
+    "operations.md",
     "decisions.md",
 )
 DOC_DB = 15
@@ -181,7 +183,7 @@ def test_readme_links_the_docs() -> None:
 def test_redis_md_names_the_real_keys() -> None:
     text = doc_text("redis.md")
     keys = Keys("<p>")
-    for key in (keys.queue, keys.dead, keys.workers, keys.cancel_channel):
+    for key in (keys.queue, keys.dead, keys.workers, keys.cancel_channel, keys.jobs):
         assert f"`{key}`" in text
     assert f"`{keys.job('<id>')}`" in text and f"`{keys.events('<id>')}`" in text
     assert f"consumer group `{GROUP}`" in text
@@ -443,3 +445,42 @@ async def test_redis_md_and_consumers_md_commands_run(doc_env: DocEnv) -> None:
                 assert word in result.stdout
     dead = Keys().dead
     assert not await doc_env.redis.exists(dead)  # nothing was dead-lettered here
+
+
+async def run_sh(block: str, url: str) -> subprocess.CompletedProcess[str]:
+    script = "set -euo pipefail\n" + block.replace("redis-cli ", f"redis-cli -u {url} ")
+    return await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+async def test_producers_md_enqueues_with_plain_redis_commands(doc_env: DocEnv) -> None:
+    """The redis-cli producer, run twice (a retried enqueue): one job, run once, listed,
+    readable with chatstream's client like any other."""
+    if shutil.which("redis-cli") is None:
+        pytest.skip("needs redis-cli")
+    [block] = blocks("producers.md", "sh")
+    job_id = re.search(r"^JOB=(\S+)$", block, re.M).group(1)  # type: ignore[union-attr]
+    first = await run_sh(block, doc_env.url)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() in {"queued", "running", "succeeded"}, first.stdout
+    entry = await doc_env.redis.hget(doc_env.client.keys.job(job_id), "queue_entry")
+    again = await run_sh(block, doc_env.url)
+    assert again.returncode == 0, again.stderr
+    record = await doc_env.client.result(job_id, timeout=30)
+    assert record.status == "succeeded" and record.content, record
+    assert record.attempt == 1 and record.created_at is not None
+    assert await doc_env.redis.hget(doc_env.client.keys.job(job_id), "queue_entry") == entry
+    events = await entries(doc_env, job_id)
+    assert [e.type for e in events if e.type is not EventType.DELTA] == [EventType.DONE]
+    assert 86_000 < await doc_env.redis.ttl(doc_env.client.keys.job(job_id)) <= 86_400
+    assert [job.id for job in (await doc_env.client.jobs()).jobs] == [job_id]
+    assert record.request == {
+        "model": "some/model",
+        "messages": [{"role": "user", "content": "Hello"}],
+    }

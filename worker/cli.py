@@ -24,10 +24,11 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from schemas.jobs import JobStatus
 from worker import logs
 from worker.client import Client, ensure_reachable
 from worker.errors import ChatstreamError
-from worker.output import print_event, print_record
+from worker.output import print_event, print_jobs, print_record
 from worker.runtime import redacted_url
 from worker.settings import Settings, load_settings
 
@@ -165,7 +166,20 @@ async def tail_command(settings: Settings, args: argparse.Namespace) -> int:
 
 async def status_command(settings: Settings, args: argparse.Namespace) -> int:
     async with connected(settings) as client:
-        print_record(await client.get(args.job), as_json=args.json)
+        record = await client.get(args.job)
+        progress = None if args.json else await client.progress(args.job)
+        print_record(record, as_json=args.json, progress=progress)
+    return 0
+
+
+async def jobs_command(settings: Settings, args: argparse.Namespace) -> int:
+    async with connected(settings) as client:
+        page = await client.jobs(
+            status=args.status, upstream=args.upstream, limit=args.limit, before=args.before
+        )
+    print_jobs(page, as_json=args.json)
+    if page.next_before is not None:
+        print(f"(more: chatstream jobs --before {page.next_before!r})", file=sys.stderr)
     return 0
 
 
@@ -303,6 +317,18 @@ def _add_job_commands(sub: Any) -> None:
     p.set_defaults(command=cancel_command)
 
 
+def _add_jobs(sub: Any) -> None:
+    p = sub.add_parser("jobs", help="list jobs, newest first (from the jobs index)")
+    p.add_argument("--status", choices=[status.value for status in JobStatus])
+    p.add_argument("--upstream", help="only jobs for this upstream")
+    p.add_argument("--limit", type=positive_int, default=20, help="list at most this many")
+    p.add_argument(
+        "--before", type=float, help="only jobs enqueued before this time (Unix seconds)"
+    )
+    p.add_argument("--json", action="store_true", help="JSON lines")
+    p.set_defaults(command=jobs_command)
+
+
 def _add_stats(sub: Any) -> None:
     p = sub.add_parser("stats", help="queue length, pending, live workers, dead letters")
     p.add_argument("--json", action="store_true", help="one JSON object")
@@ -332,6 +358,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_worker,
     _add_enqueue,
     _add_job_commands,
+    _add_jobs,
     _add_stats,
     _add_dead,
     _add_mock_and_demo,

@@ -2,7 +2,7 @@
 
 ``Client`` is async and takes the application's own ``redis.asyncio.Redis``;
 ``SyncClient`` offers the same calls to synchronous code (it runs them on a private event
-loop with its own connection).
+loop with its own connection); tests/test_client.py checks that no call is missing.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from schemas.events import StreamEvent
 from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import ChatRequest, JobSpec
 from worker.errors import InvalidJobError, JobNotFoundError, RedisUnavailableError
+from worker.jobs import JobIndex, JobPage, Progress, read_progress
 from worker.keys import Keys
 from worker.queue import DeadLetter, Queue
 from worker.records import Records, as_text, dumps
@@ -50,11 +51,13 @@ class Client:
         retention_seconds: int = 86_400,
         max_request_bytes: int = 1_048_576,
         upstreams: list[str] | None = None,
+        jobs_index_max: int = 1_000_000,
     ) -> None:
         self.redis = redis
         self.keys = Keys(prefix)
         self.records = Records(redis, self.keys, retention_seconds)
         self.queue = Queue(redis, self.keys, "client")
+        self.index = JobIndex(redis, self.keys, retention_seconds, jobs_index_max)
         self.max_request_bytes = max_request_bytes
         self.upstreams = upstreams
 
@@ -66,6 +69,7 @@ class Client:
             retention_seconds=settings.retention_seconds,
             max_request_bytes=settings.max_request_bytes,
             upstreams=settings.upstream_names(),
+            jobs_index_max=settings.jobs_index_max,
         )
 
     async def enqueue(
@@ -82,8 +86,10 @@ class Client:
             raise InvalidJobError(
                 f"request is larger than the limit of {self.max_request_bytes} bytes"
             )
-        state = await self.records.create(spec.id, _record_fields(spec, request_json))
+        fields = _record_fields(spec, request_json)
+        state = await self.records.create(spec.id, fields)
         if state != "exists":
+            await self.index.add(spec.id, float(fields["created_at"]))
             entry_id = await self.queue.add(spec.id)
             await self.records.mark_queued(spec.id, entry_id)
         return spec.id
@@ -194,10 +200,35 @@ class Client:
             raise JobNotFoundError(f"no job {job_id!r} (never enqueued, or expired)")
         if state not in ("requeued", "unqueued"):
             raise InvalidJobError(f"job {job_id!r} is {state}; only failed jobs are requeued")
+        await self.index.add(job_id)  # listed again, as of now
         entry_id = await self.queue.add(job_id)
         await self.records.mark_queued(job_id, entry_id)
         await self.queue.forget_dead(job_id)
         return "requeued"
+
+    async def jobs(
+        self,
+        *,
+        status: JobStatus | str | None = None,
+        upstream: str | None = None,
+        limit: int = 20,
+        before: float | None = None,
+    ) -> JobPage:
+        """The newest jobs (enqueued before ``before``), optionally only those with this
+        status or upstream; examines at most the newest 10,000 entries of the index.
+
+        Only jobs enqueued through ``enqueue`` (or a producer following docs/producers.md)
+        within the retention period are listed.
+        """
+        wanted = None if status is None else JobStatus(status).value
+        return await self.index.page(status=wanted, upstream=upstream, limit=limit, before=before)
+
+    async def progress(self, job_id: str) -> Progress | None:
+        """How far a running job got (entries, characters, elapsed); None unless running."""
+        record = await self.get(job_id)
+        if record.status is not JobStatus.RUNNING:
+            return None
+        return await read_progress(self.redis, self.keys, job_id, record.attempt, record.started_at)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -314,6 +345,27 @@ class SyncClient:
 
     def cancel(self, job_id: str) -> JobStatus | str:
         return self._runner.run(self._client.cancel(job_id))
+
+    def dead_letters(self, count: int = 1000) -> list[DeadLetter]:
+        return self._runner.run(self._client.dead_letters(count))
+
+    def requeue(self, job_id: str) -> str:
+        return self._runner.run(self._client.requeue(job_id))
+
+    def jobs(
+        self,
+        *,
+        status: JobStatus | str | None = None,
+        upstream: str | None = None,
+        limit: int = 20,
+        before: float | None = None,
+    ) -> JobPage:
+        return self._runner.run(
+            self._client.jobs(status=status, upstream=upstream, limit=limit, before=before)
+        )
+
+    def progress(self, job_id: str) -> Progress | None:
+        return self._runner.run(self._client.progress(job_id))
 
     def events(self, job_id: str, after: str = "0-0") -> Iterator[StreamEvent]:
         stream = self._client.events(job_id, after)

@@ -77,6 +77,13 @@ class Settings(BaseSettings):
         ge=1,
         description="TTL of job records and events streams, counted from the last state change.",
     )
+    jobs_index_max: int = Field(
+        1_000_000,
+        ge=0,
+        le=100_000_000,
+        description="Most jobs the `<prefix>:jobs` index keeps for `chatstream jobs` (the "
+        "newest; older than the retention are dropped too; about 140 bytes each); 0: no index.",
+    )
     redis_max_connections: int = Field(
         128,
         ge=4,
