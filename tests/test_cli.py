@@ -231,6 +231,59 @@ async def test_tail_and_status_of_a_finished_job(cli: Cli, worker: subprocess.Po
     assert plain.stdout.startswith(f"job       {job_id}\nstatus    succeeded\nattempt   1\n")
 
 
+JSON_TYPES: dict[str, Any] = {
+    "string": str, "integer": int, "number": (int, float), "boolean": bool,
+    "object": dict, "array": list, "null": type(None),
+}  # fmt: skip
+
+
+def conforms(value: Any, schema: dict[str, Any], defs: dict[str, Any]) -> bool:
+    """``value`` against the subset of JSON Schema that pydantic generates for records."""
+    if "$ref" in schema:
+        schema = defs[schema["$ref"].rsplit("/", 1)[-1]]
+    if "anyOf" in schema:
+        return any(conforms(value, option, defs) for option in schema["anyOf"])
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    kind = schema.get("type")
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    return kind is None or isinstance(value, JSON_TYPES[kind])
+
+
+async def test_status_json_prints_only_documented_fields(
+    cli: Cli, worker: subprocess.Popen[bytes]
+) -> None:
+    """Every field ``status --json`` prints, in every state a job reaches, is in
+    docs/schemas/job-record.json with the type printed (``seq`` an integer, ...)."""
+    schema = json.loads((Path(__file__).parent.parent / "docs/schemas/job-record.json").read_text())
+    done = await cli.client.enqueue(chat("ok"))
+    failed = await cli.client.enqueue(chat("bad", fault="http_400"))
+    slow = await cli.client.enqueue(chat("slow", tokens=200, rate=20))
+    exhausted = "json-exhausted"  # started 3 times already: fails, is dead-lettered, requeued
+    record = {"id": exhausted, "status": "queued", "attempt": "3", "request": json.dumps(chat())}
+    assert await cli.client.records.create(exhausted, record) == "created"
+    await cli.client.records.mark_queued(exhausted, await cli.client.queue.add(exhausted))
+    for job_id in (done, failed, exhausted):
+        await cli.client.result(job_id, timeout=15)
+    assert await cli.client.requeue(exhausted) == "requeued"
+    await cli.client.result(exhausted, timeout=15)
+    assert await cli.redis.xread({cli.keys.events(slow): "0-0"}, count=1, block=10_000)
+    queued = await cli.client.enqueue(chat("later"), job_id="json-queued", upstream="default")
+    results = await asyncio.gather(
+        *(cli.run("status", job_id, "--json") for job_id in (done, failed, exhausted, slow, queued))
+    )
+    printed = [json.loads(result.stdout) for result in results]
+    assert {p["status"] for p in printed} >= {"succeeded", "failed", "running"}
+    assert any(p["budget_base"] == 3 and p["requeued_at"] for p in printed)
+    assert any(p["seq"] > 0 for p in printed)
+    for fields in printed:
+        unknown = set(fields) - set(schema["properties"])
+        assert not unknown, unknown
+        for name, value in fields.items():
+            assert conforms(value, schema["properties"][name], schema["$defs"]), (name, value)
+
+
 async def test_tail_follows_a_running_job(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
     job_id = await cli.client.enqueue(chat("slow", tokens=40, rate=40))
     process = await cli.start("tail", job_id)

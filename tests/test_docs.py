@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from redis.asyncio import Redis
 
 from schemas.events import DATA_MODELS, EventType, StreamEvent
@@ -36,9 +37,11 @@ from tests.conftest import RedisServer, chat
 from worker import docgen
 from worker.client import Client
 from worker.keys import GROUP, Keys
+from worker.metrics import Metrics
 from worker.mock_upstream import MockUpstream
 from worker.runner import Worker
 from worker.settings import Settings
+from worker.stats import QueueCounts
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -484,3 +487,71 @@ async def test_producers_md_enqueues_with_plain_redis_commands(doc_env: DocEnv) 
         "model": "some/model",
         "messages": [{"role": "user", "content": "Hello"}],
     }
+
+
+# -- operations.md: the metrics, alert rules and log lines it names exist -------------------
+
+
+def served_metric_names() -> set[str]:
+    """Every sample name a worker's /metrics can carry (labelled ones included)."""
+    metrics = Metrics()
+    metrics.queue.counts = QueueCounts(0, 0, 0)
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("", "_bucket", "_count", "_sum"),  # the table names the family
+        "gauge": ("",),
+    }
+    return {
+        family.name + suffix
+        for family in metrics.registry.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+
+
+def metric_names_in(text: str) -> set[str]:
+    return set(re.findall(r"\bchatstream_[a-z_]+\b", text))
+
+
+def test_operations_md_metrics_and_alert_rules_name_served_metrics() -> None:
+    served = served_metric_names()
+    text = doc_text("operations.md")
+    table = text.split("## Metrics and health", 1)[1].split("\n## ", 1)[0]
+    assert {"chatstream_tokens_total", "chatstream_upstream_errors_total"} <= metric_names_in(table)
+    assert not metric_names_in(table) - served, metric_names_in(table) - served
+    [rules_text] = blocks("operations.md", "yaml")
+    rules = yaml.safe_load(rules_text)["groups"][0]["rules"]
+    assert len(rules) >= 6
+    named: set[str] = set()
+    for rule in rules:
+        assert ("alert" in rule) != ("record" in rule), rule
+        assert rule["expr"].count("(") == rule["expr"].count(")"), rule["expr"]
+        named |= metric_names_in(rule["expr"])
+    assert not named - served, named - served
+    assert {"chatstream_jobs_total", "chatstream_upstream_errors_total"} <= named
+
+
+def worker_strings() -> str:
+    """Every string literal of worker/*.py (implicit concatenations joined, f-string text
+    kept), quotes removed: what the code can log."""
+    found: list[str] = []
+    for path in (ROOT / "worker").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append(node.value)
+    return re.sub(r"[\"']", "", "\n".join(found))
+
+
+def test_operations_md_log_lines_are_what_the_code_logs() -> None:
+    """Each documented line's fixed text (between its <placeholders>) is in the code."""
+    text = doc_text("operations.md")
+    table = text.split("The lines an operator looks for", 1)[1].split("\n\n", 2)[1]
+    rows = [row for row in table.splitlines() if row.startswith("| ") and "`" in row]
+    assert len(rows) >= 8
+    code = worker_strings()
+    for row in rows:
+        cell = row.split(" | ")[1]
+        for line in re.findall(r"`([^`]+)`", cell):
+            for part in re.split(r"<[^>]*>", line.replace("\\|", "|")):
+                fragment = re.sub(r"[\"']", "", part)
+                if len(fragment.strip()) >= 3:
+                    assert fragment in code, (fragment, line)

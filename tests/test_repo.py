@@ -75,3 +75,16 @@ def test_product_modules_import_no_circle() -> None:
 def test_find_cycle_finds_a_circle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    """The README opens with two commands; CI runs the second (the test suite) as written."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first_block = readme.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    assert commands[0].endswith("chatstream demo")
+    assert commands[1].endswith("-m pytest")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert commands[1] in ci
+    assert any("tests/test_repo.py" in line for line in ci)  # the comment that cites this test
