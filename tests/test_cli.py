@@ -431,6 +431,7 @@ async def test_redis_down_is_one_line_at_once(cli: Cli) -> None:
         (["status", "x"], url, f"cannot reach Redis at {url}"),
         (["worker"], url, f"cannot reach Redis at {url}"),
         (["enqueue", "--model", "m", "--message", "x"], url, f"cannot reach Redis at {url}"),
+        (["demo"], url, f"cannot reach Redis at {url}"),
         (
             ["status", "x"],
             f"redis://user:s3cret@127.0.0.1:{port}/0",
