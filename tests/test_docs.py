@@ -431,17 +431,7 @@ async def test_redis_md_and_consumers_md_commands_run(doc_env: DocEnv) -> None:
     for name, expected in (("consumers.md", ("delta", "done", "succeeded")), ("redis.md", ())):
         for block in blocks(name, "sh"):
             assert "JOB=demo-1" in block
-            script = "set -euo pipefail\n" + block.replace(
-                "redis-cli ", f"redis-cli -u {doc_env.url} "
-            )
-            result = await asyncio.to_thread(
-                subprocess.run,
-                ["bash", "-c", script],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=False,
-            )
+            result = await run_sh(block, doc_env.url)
             assert result.returncode == 0, result.stderr
             assert "ERR" not in result.stdout, result.stdout
             for word in expected:
