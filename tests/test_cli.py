@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shlex
 import signal
 import socket
 import subprocess
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import IO, Any
@@ -39,6 +40,8 @@ from worker.demo import DEMO_REPLY
 from worker.keys import Keys
 from worker.mock_upstream import MockUpstream, expected_reply, expected_usage
 
+CORES = os.cpu_count() or 2
+
 
 @dataclass
 class Result:
@@ -54,6 +57,7 @@ class Cli:
     prefix: str
     redis: Redis
     mock: MockUpstream
+    cores: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CORES))
 
     @property
     def keys(self) -> Keys:
@@ -78,9 +82,18 @@ class Cli:
     async def run(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 20
     ) -> Result:
-        process = await self.start(*args, env=env)
-        async with asyncio.timeout(timeout):
-            out, err = await process.communicate()
+        """Run a command to its end within ``timeout`` seconds of its start. At most one
+        command per core runs at once: a deadline is the user's wait for one command, not
+        for ten started together on a busy two-core machine."""
+        async with self.cores:
+            process = await self.start(*args, env=env)
+            try:
+                async with asyncio.timeout(timeout):
+                    out, err = await process.communicate()
+            except TimeoutError:
+                process.kill()
+                await process.communicate()
+                raise
         assert process.returncode is not None
         return Result(process.returncode, out.decode(), err.decode())
 
@@ -259,7 +272,7 @@ async def test_status_json_prints_only_documented_fields(
     schema = json.loads((Path(__file__).parent.parent / "docs/schemas/job-record.json").read_text())
     done = await cli.client.enqueue(chat("ok"))
     failed = await cli.client.enqueue(chat("bad", fault="http_400"))
-    slow = await cli.client.enqueue(chat("slow", tokens=200, rate=20))
+    slow = await cli.client.enqueue(chat("slow", tokens=2000, rate=20))  # cancelled below
     exhausted = "json-exhausted"  # started 3 times already: fails, is dead-lettered, requeued
     record = {"id": exhausted, "status": "queued", "attempt": "3", "request": json.dumps(chat())}
     assert await cli.client.records.create(exhausted, record) == "created"
@@ -273,7 +286,7 @@ async def test_status_json_prints_only_documented_fields(
     results = await asyncio.gather(
         *(cli.run("status", job_id, "--json") for job_id in (done, failed, exhausted, slow, queued))
     )
-    assert await cli.client.cancel(slow) == "requested"  # the worker then stops at once
+    assert await cli.client.cancel(slow) == "requested"  # still running: stop it now
     await cli.client.result(slow, timeout=10)
     printed = [json.loads(result.stdout) for result in results]
     assert {p["status"] for p in printed} >= {"succeeded", "failed", "running"}
@@ -301,7 +314,7 @@ async def test_tail_follows_a_running_job(cli: Cli, worker: subprocess.Popen[byt
 async def test_status_of_a_running_job_shows_its_progress(
     cli: Cli, worker: subprocess.Popen[bytes]
 ) -> None:
-    job_id = await cli.client.enqueue(chat("slow", tokens=80, rate=20))
+    job_id = await cli.client.enqueue(chat("slow", tokens=2000, rate=20))  # cancelled below
     key = cli.keys.events(job_id)
     assert await cli.redis.xread({key: "0-0"}, count=1, block=10_000)
     result = await cli.run("status", job_id)
@@ -314,7 +327,7 @@ async def test_status_of_a_running_job_shows_its_progress(
         lines[3],
     ), lines[3]
     assert lines[4].startswith("worker    ") and len(lines) == 5  # no empty content line
-    assert await cli.client.cancel(job_id) == "requested"  # still running; ends it now
+    assert await cli.client.cancel(job_id) == "requested"  # still running: ends it now
 
 
 async def test_jobs_lists_newest_first(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
@@ -386,10 +399,10 @@ async def test_enqueue_wait_times_out_with_one_line(cli: Cli) -> None:
 async def test_enqueue_follow_honours_the_timeout(
     cli: Cli, worker: subprocess.Popen[bytes]
 ) -> None:
-    """A 4 s reply followed with --timeout 1: the tokens so far, then one line, exit 1."""
+    """A 100 s reply followed with --timeout 1: the tokens so far, then one line, exit 1."""
     result = await cli.run(
         "enqueue", "--model", "m", "--message", "x", "--job-id", "slow-follow", "--follow",
-        "--timeout", "1", "--mock", '{"tokens": 80, "rate": 20}', timeout=DEADLINE,
+        "--timeout", "1", "--mock", '{"tokens": 2000, "rate": 20}', timeout=DEADLINE,
     )  # fmt: skip
     assert_one_line_error(result, "timed out after 1s; job slow-follow goes on")
     assert result.stdout.startswith("slow-follow\ntok0 tok1")
@@ -474,7 +487,7 @@ async def test_a_busy_port_is_one_line(cli: Cli) -> None:
         mock, worker, demo = await asyncio.gather(
             cli.run("mock-upstream", "--port", str(port), timeout=DEADLINE),
             cli.run("worker", env=busy, timeout=DEADLINE),
-            run_with_env(demo_env, cli.cwd, "demo"),
+            run_with_env(cli, demo_env, "demo"),
         )
     address = f"127.0.0.1:{port}: address already in use"
     assert_one_line_error(mock, f"the mock upstream cannot listen on {address}")
@@ -485,13 +498,15 @@ async def test_a_busy_port_is_one_line(cli: Cli) -> None:
     assert demo.stderr.splitlines()[-1] == f"chatstream: error: {metrics}"
 
 
-async def run_with_env(env: dict[str, str], cwd: Path, *args: str) -> Result:
-    process = await asyncio.create_subprocess_exec(
-        CHATSTREAM, *args, env=env, cwd=cwd,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    async with asyncio.timeout(DEADLINE):
-        out, err = await process.communicate()
+async def run_with_env(cli: Cli, env: dict[str, str], *args: str) -> Result:
+    """Like ``cli.run``, with exactly ``env`` (no CHATSTREAM_* of the fixture's)."""
+    async with cli.cores:
+        process = await asyncio.create_subprocess_exec(
+            CHATSTREAM, *args, env=env, cwd=cli.cwd,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        async with asyncio.timeout(DEADLINE):
+            out, err = await process.communicate()
     assert process.returncode is not None
     return Result(process.returncode, out.decode(), err.decode())
 

@@ -106,7 +106,7 @@ async def test_a_requeued_job_is_listed_again_as_new(harness: Harness) -> None:
 
 
 async def test_progress_of_a_running_job(harness: Harness) -> None:
-    job_id = await harness.client.enqueue(chat("slow", tokens=60, rate=40))
+    job_id = await harness.client.enqueue(chat("slow", tokens=2000, rate=40))  # cancelled
     assert await harness.client.progress(job_id) is None  # queued
     burst = asyncio.create_task(harness.worker.run_burst())
     key = harness.client.keys.events(job_id)
@@ -114,6 +114,7 @@ async def test_progress_of_a_running_job(harness: Harness) -> None:
     await asyncio.sleep(0.3)
     progress = await harness.client.progress(job_id)
     entries = [e async for e in _deltas_so_far(harness, job_id)]
+    assert await harness.client.cancel(job_id) == "requested"
     await asyncio.wait_for(burst, 15)
     assert progress is not None
     assert progress.attempt == 1
@@ -122,7 +123,7 @@ async def test_progress_of_a_running_job(harness: Harness) -> None:
     assert progress.characters == len(published) > 0
     assert progress.elapsed is not None and 0.3 <= progress.elapsed < 10
     assert progress.last_delta_age is not None and progress.last_delta_age < 5
-    assert await harness.client.progress(job_id) is None  # finished
+    assert await harness.client.progress(job_id) is None  # ended (cancelled)
 
 
 async def _deltas_so_far(h: Harness, job_id: str) -> AsyncIterator[dict[str, Any]]:

@@ -284,7 +284,7 @@ async def test_every_line_about_a_job_carries_its_id(
     root_debug.addHandler(handler)
     try:
         exhausted = await inject(harness, {"request": json.dumps(chat("g")), "attempt": "3"})
-        running = await harness.client.enqueue(chat("slow", tokens=200, rate=50))
+        running = await harness.client.enqueue(chat("slow", tokens=2000, rate=50))
         burst = asyncio.create_task(harness.worker.run_burst())
         events = harness.client.keys.events(running)
         assert await harness.redis.xread({events: "0-0"}, count=1, block=10_000)

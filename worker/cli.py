@@ -24,9 +24,9 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from schemas.jobs import JobStatus
+from schemas.jobs import JobRecord, JobStatus
 from worker import logs
-from worker.client import Client, ensure_reachable
+from worker.client import Client, ensure_reachable, within
 from worker.errors import ChatstreamError
 from worker.output import print_event, print_jobs, print_record
 from worker.runtime import redacted_url
@@ -136,11 +136,8 @@ async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
             print(job_id, flush=True)
         if not (args.follow or args.wait):
             return 0
-        try:
-            async with asyncio.timeout(args.timeout):  # --follow and --wait alike
-                if args.follow:
-                    await follow(client, job_id, as_json=args.json)
-                record = await client.result(job_id)
+        try:  # --follow and --wait alike
+            record = await within(follow_then_wait(client, job_id, args), args.timeout)
         except TimeoutError:
             if args.follow and not args.json:
                 print(flush=True)  # end the partial line of text
@@ -150,6 +147,12 @@ async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
             )
         print_record(record, as_json=args.json)
         return 0 if record.status == "succeeded" else 3
+
+
+async def follow_then_wait(client: Client, job_id: str, args: argparse.Namespace) -> JobRecord:
+    if args.follow:
+        await follow(client, job_id, as_json=args.json)
+    return await client.result(job_id)
 
 
 async def follow(client: Client, job_id: str, *, as_json: bool) -> None:

@@ -11,9 +11,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -32,6 +32,7 @@ from worker.keys import Keys
 from worker.queue import DeadLetter, Queue
 from worker.records import Records, as_text, dumps
 from worker.settings import Settings
+from worker.tasks import cancel_and_wait
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
@@ -40,6 +41,7 @@ POOL_WAIT_SECONDS = 30
 REDIS_RETRIES = 10
 # the first PING of a command-line tool or worker: no retries, an answer within this long
 REACH_SECONDS = 5.0
+T = TypeVar("T")
 
 
 class Client:
@@ -162,14 +164,16 @@ class Client:
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobRecord:
         """Wait for the terminal state and return the record (TimeoutError after ``timeout``)."""
-        async with asyncio.timeout(timeout):
-            record = await self.get(job_id)
-            if record.terminal:
-                return record
-            async for event in self.events(job_id):
-                if event.terminal:
-                    break
-            return await self.get(job_id)
+        return await within(self._result(job_id), timeout)
+
+    async def _result(self, job_id: str) -> JobRecord:
+        record = await self.get(job_id)
+        if record.terminal:
+            return record
+        async for event in self.events(job_id):
+            if event.terminal:
+                break
+        return await self.get(job_id)
 
     async def cancel(self, job_id: str) -> JobStatus | str:
         """Cancel a queued or running job.
@@ -244,6 +248,27 @@ def _readable(raw: dict[str, str]) -> dict[str, str]:
     if isinstance(request, dict):
         return raw
     return {name: value for name, value in raw.items() if name != "request"}
+
+
+async def within(work: Coroutine[Any, Any, T], timeout: float | None) -> T:
+    """``await work``, or TimeoutError once ``timeout`` seconds passed.
+
+    Not ``asyncio.timeout``: redis-py can swallow the one cancellation it sends (see
+    ``worker.tasks.cancel_and_wait``), and a blocking read then runs on past the deadline
+    (``enqueue --follow --timeout 1`` streamed a 4 s reply to its end on a loaded
+    machine). The work runs as a task that is cancelled until it stops.
+    """
+    if timeout is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():
+            await cancel_and_wait([cast("asyncio.Task[None]", task)])
+    if task not in done:
+        raise TimeoutError
+    return task.result()
 
 
 def _problem(exc: Exception) -> str:
