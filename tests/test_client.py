@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from schemas.events import EventType, StreamEvent
 from tests.conftest import MOCK, Harness, chat
 from tests.support import check_stream, merge_deltas, queue_is_empty, stream_entries
-from worker.client import Client, SyncClient
+from worker.client import Client, SyncClient, within
 from worker.errors import InvalidJobError, JobNotFoundError
 from worker.mock_upstream import expected_reply
 
@@ -282,3 +283,25 @@ async def test_sync_client_in_a_thread(harness: Harness) -> None:
     assert record.content == expected_reply(chat(tokens=15), MOCK)
     check_stream(events, record)
     assert cancelled == "cancelled"
+
+
+async def test_within_holds_its_deadline_when_a_cancellation_is_swallowed() -> None:
+    """redis-py can swallow a cancellation (worker.tasks.cancel_and_wait); asyncio.timeout
+    would then let the work run on to its end, ``within`` stops it anyway."""
+    swallowed: list[bool] = []
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            swallowed.append(True)  # like a redis-py read whose reply raced the cancel
+        await asyncio.sleep(30)
+        return "ran on"
+
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await within(stubborn(), 0.1)
+    assert swallowed == [True]
+    assert time.monotonic() - began < 10  # not the 30 s the work would take
+    assert await within(asyncio.sleep(0, "quick"), 1) == "quick"
+    assert await within(asyncio.sleep(0, "no limit"), None) == "no limit"
