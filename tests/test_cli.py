@@ -300,7 +300,7 @@ async def test_status_json_prints_only_documented_fields(
 
 
 async def test_tail_follows_a_running_job(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
-    job_id = await cli.client.enqueue(chat("slow", tokens=40, rate=40))
+    job_id = await cli.client.enqueue(chat("slow", tokens=160, rate=40))  # 4 s: outlives a start
     process = await cli.start("tail", job_id)
     assert process.stdout is not None
     await read_until(process.stdout, b"tok1")
