@@ -31,7 +31,8 @@ JSON_FIELDS = (
     "web_search",
     "free_tier",
 )
-FLOAT_FIELDS = ("created_at", "started_at", "finished_at")
+FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "requeued_at")
+FLAG_FIELDS = ("cancel_requested", "dead_pending")  # stored as "1"
 
 
 class JobRecord(BaseModel):
@@ -73,6 +74,22 @@ class JobRecord(BaseModel):
     web_search: Any = Field(None, description="Provider extra, when the upstream sent it.")
     free_tier: Any = Field(None, description="Provider extra, when the upstream sent it.")
     cancel_requested: bool = Field(False, description="A cancel was requested.")
+    # bookkeeping of the queue and the attempts (docs/redis.md#the-job-record)
+    queue_entry: str | None = Field(None, description="The queue entry id of the enqueue.")
+    entry: str | None = Field(None, description="The queue entry the latest attempt runs under.")
+    start_token: str | None = Field(
+        None, description="Identifies the latest attempt's start (a retried start reuses it)."
+    )
+    seq: int = Field(0, description="Sequence number of the attempt's last delta entry.")
+    releases: int = Field(
+        0, description="Attempts handed back unfinished (they do not count against the budget)."
+    )
+    dead_pending: bool = Field(
+        False, description="Failed for exhausted attempts, not yet on the dead-letter stream."
+    )
+    dead_letter: str | None = Field(None, description="The job's dead-letter entry id.")
+    budget_base: int = Field(0, description="Attempts before the last requeue (not counted).")
+    requeued_at: float | None = Field(None, description="When an operator last requeued it.")
 
     @property
     def terminal(self) -> bool:
@@ -89,7 +106,7 @@ class JobRecord(BaseModel):
                 values[name] = json.loads(value)
             elif name in FLOAT_FIELDS:
                 values[name] = float(value)
-            elif name == "cancel_requested":
+            elif name in FLAG_FIELDS:
                 values[name] = value == "1"
             else:
                 values[name] = value

@@ -243,3 +243,21 @@ async def inject(h: Harness, fields: dict[str, Any], job_id: str | None = None) 
     assert await h.client.records.create(job_id, record) == "created"
     await h.client.records.mark_queued(job_id, await h.client.queue.add(job_id))
     return job_id
+
+
+@asynccontextmanager
+async def silent_server() -> AsyncIterator[int]:
+    """A port that accepts connections and never answers (a wrong port, a hung proxy)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()

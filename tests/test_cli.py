@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import shlex
 import signal
+import socket
 import subprocess
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -24,14 +30,18 @@ from tests.support import (
     CHATSTREAM,
     check_stream,
     clean_env,
+    silent_server,
     spawn_worker,
     stop_worker,
     stream_entries,
 )
+from worker import speedups
 from worker.client import Client
 from worker.demo import DEMO_REPLY
 from worker.keys import Keys
 from worker.mock_upstream import MockUpstream, expected_reply, expected_usage
+
+CORES = os.cpu_count() or 2
 
 
 @dataclass
@@ -48,6 +58,7 @@ class Cli:
     prefix: str
     redis: Redis
     mock: MockUpstream
+    cores: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CORES))
 
     @property
     def keys(self) -> Keys:
@@ -72,9 +83,18 @@ class Cli:
     async def run(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 20
     ) -> Result:
-        process = await self.start(*args, env=env)
-        async with asyncio.timeout(timeout):
-            out, err = await process.communicate()
+        """Run a command to its end within ``timeout`` seconds of its start. At most one
+        command per core runs at once: a deadline is the user's wait for one command, not
+        for ten started together on a busy two-core machine."""
+        async with self.cores:
+            process = await self.start(*args, env=env)
+            try:
+                async with asyncio.timeout(timeout):
+                    out, err = await process.communicate()
+            except TimeoutError:
+                process.kill()
+                await process.communicate()
+                raise
         assert process.returncode is not None
         return Result(process.returncode, out.decode(), err.decode())
 
@@ -225,8 +245,63 @@ async def test_tail_and_status_of_a_finished_job(cli: Cli, worker: subprocess.Po
     assert plain.stdout.startswith(f"job       {job_id}\nstatus    succeeded\nattempt   1\n")
 
 
+JSON_TYPES: dict[str, Any] = {
+    "string": str, "integer": int, "number": (int, float), "boolean": bool,
+    "object": dict, "array": list, "null": type(None),
+}  # fmt: skip
+
+
+def conforms(value: Any, schema: dict[str, Any], defs: dict[str, Any]) -> bool:
+    """``value`` against the subset of JSON Schema that pydantic generates for records."""
+    if "$ref" in schema:
+        schema = defs[schema["$ref"].rsplit("/", 1)[-1]]
+    if "anyOf" in schema:
+        return any(conforms(value, option, defs) for option in schema["anyOf"])
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    kind = schema.get("type")
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    return kind is None or isinstance(value, JSON_TYPES[kind])
+
+
+async def test_status_json_prints_only_documented_fields(
+    cli: Cli, worker: subprocess.Popen[bytes]
+) -> None:
+    """Every field ``status --json`` prints, in every state a job reaches, is in
+    docs/schemas/job-record.json with the type printed (``seq`` an integer, ...)."""
+    schema = json.loads((Path(__file__).parent.parent / "docs/schemas/job-record.json").read_text())
+    done = await cli.client.enqueue(chat("ok"))
+    failed = await cli.client.enqueue(chat("bad", fault="http_400"))
+    slow = await cli.client.enqueue(chat("slow", tokens=2000, rate=20))  # cancelled below
+    exhausted = "json-exhausted"  # started 3 times already: fails, is dead-lettered, requeued
+    record = {"id": exhausted, "status": "queued", "attempt": "3", "request": json.dumps(chat())}
+    assert await cli.client.records.create(exhausted, record) == "created"
+    await cli.client.records.mark_queued(exhausted, await cli.client.queue.add(exhausted))
+    for job_id in (done, failed, exhausted):
+        await cli.client.result(job_id, timeout=15)
+    assert await cli.client.requeue(exhausted) == "requeued"
+    await cli.client.result(exhausted, timeout=15)
+    assert await cli.redis.xread({cli.keys.events(slow): "0-0"}, count=1, block=10_000)
+    queued = await cli.client.enqueue(chat("later"), job_id="json-queued", upstream="default")
+    results = await asyncio.gather(
+        *(cli.run("status", job_id, "--json") for job_id in (done, failed, exhausted, slow, queued))
+    )
+    assert await cli.client.cancel(slow) == "requested"  # still running: stop it now
+    await cli.client.result(slow, timeout=10)
+    printed = [json.loads(result.stdout) for result in results]
+    assert {p["status"] for p in printed} >= {"succeeded", "failed", "running"}
+    assert any(p["budget_base"] == 3 and p["requeued_at"] for p in printed)
+    assert any(p["seq"] > 0 for p in printed)
+    for fields in printed:
+        unknown = set(fields) - set(schema["properties"])
+        assert not unknown, unknown
+        for name, value in fields.items():
+            assert conforms(value, schema["properties"][name], schema["$defs"]), (name, value)
+
+
 async def test_tail_follows_a_running_job(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
-    job_id = await cli.client.enqueue(chat("slow", tokens=40, rate=40))
+    job_id = await cli.client.enqueue(chat("slow", tokens=160, rate=40))  # 4 s: outlives a start
     process = await cli.start("tail", job_id)
     assert process.stdout is not None
     await read_until(process.stdout, b"tok1")
@@ -235,6 +310,49 @@ async def test_tail_follows_a_running_job(cli: Cli, worker: subprocess.Popen[byt
         await process.communicate()
     assert process.returncode == 0
     assert (await cli.client.get(job_id)).status == "succeeded"
+
+
+async def test_status_of_a_running_job_shows_its_progress(
+    cli: Cli, worker: subprocess.Popen[bytes]
+) -> None:
+    job_id = await cli.client.enqueue(chat("slow", tokens=2000, rate=20))  # cancelled below
+    key = cli.keys.events(job_id)
+    assert await cli.redis.xread({key: "0-0"}, count=1, block=10_000)
+    result = await cli.run("status", job_id)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:3] == [f"job       {job_id}", "status    running", "attempt   1"]
+    assert re.fullmatch(
+        r"progress  (\d+) deltas, (\d+) characters so far; running \d+\.\ds, "
+        r"last delta \d+\.\ds ago",
+        lines[3],
+    ), lines[3]
+    assert lines[4].startswith("worker    ") and len(lines) == 5  # no empty content line
+    assert await cli.client.cancel(job_id) == "requested"  # still running: ends it now
+
+
+async def test_jobs_lists_newest_first(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
+    ok = await cli.client.enqueue(chat("fine"), job_id="listed-ok")
+    bad = await cli.client.enqueue(chat("bad", fault="http_401"), job_id="listed-bad")
+    for job_id in (ok, bad):
+        await cli.client.result(job_id, timeout=15)
+    text, failed, first = await asyncio.gather(
+        cli.run("jobs"),
+        cli.run("jobs", "--status", "failed", "--json"),
+        cli.run("jobs", "--limit", "1"),
+    )
+    assert text.returncode == 0, text.stderr
+    header, *rows = text.stdout.splitlines()
+    assert header.split()[:4] == ["created", "(UTC)", "job", "status"]
+    assert [row.split()[2:5] for row in rows] == [
+        ["listed-bad", "failed", "default"],
+        ["listed-ok", "succeeded", "default"],
+    ]
+    assert "upstream_terminal: upstream 'default' returned HTTP 401" in rows[0]
+    [line] = [json.loads(x) for x in failed.stdout.splitlines()]
+    assert (line["id"], line["status"], line["error"]["status"]) == ("listed-bad", "failed", 401)
+    assert first.stdout.splitlines()[1].split()[2] == "listed-bad"
+    assert first.stderr.startswith("(more: chatstream jobs --before ")
 
 
 async def test_cancel_of_a_queued_job(cli: Cli) -> None:
@@ -256,15 +374,9 @@ async def test_cancel_of_a_queued_job(cli: Cli) -> None:
     assert cli.mock.requests["/v1/chat/completions"] == 0
 
 
-async def test_enqueue_wait_times_out_with_one_line(cli: Cli) -> None:
-    result = await cli.run(
-        "enqueue", "--model", "m", "--message", "x", "--wait", "--timeout", "0.3"
-    )
-    assert result.returncode == 1
-    assert result.stderr == "chatstream: error: timed out\n"
+# -- user errors: one line on stderr, non-zero exit, no traceback, within 10 s -------------
 
-
-# -- user errors: one line on stderr, non-zero exit, no traceback ---------------------------
+DEADLINE = 10  # seconds: every failure a user can cause is reported within this long
 
 
 def assert_one_line_error(result: Result, fragment: str, args: Any = None) -> None:
@@ -276,12 +388,39 @@ def assert_one_line_error(result: Result, fragment: str, args: Any = None) -> No
     assert fragment in lines[0], (args, lines[0])
 
 
+async def test_enqueue_wait_times_out_with_one_line(cli: Cli) -> None:
+    result = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "never-run", "--wait",
+        "--timeout", "0.3", timeout=DEADLINE,
+    )  # fmt: skip
+    assert_one_line_error(result, "timed out after 0.3s; job never-run goes on")
+    assert result.stdout == "never-run\n"
+
+
+async def test_enqueue_follow_honours_the_timeout(
+    cli: Cli, worker: subprocess.Popen[bytes]
+) -> None:
+    """A 100 s reply followed with --timeout 1: the tokens so far, then one line, exit 1."""
+    result = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "slow-follow", "--follow",
+        "--timeout", "1", "--mock", '{"tokens": 2000, "rate": 20}', timeout=DEADLINE,
+    )  # fmt: skip
+    assert_one_line_error(result, "timed out after 1s; job slow-follow goes on")
+    assert result.stdout.startswith("slow-follow\ntok0 tok1")
+    assert result.stdout.endswith("\n") and "[done]" not in result.stdout
+    assert await cli.client.cancel("slow-follow") == "requested"  # it was still running
+
+
 USER_ERRORS: list[tuple[list[str], dict[str, str], str]] = [
     (["status", "x"], {"CHATSTREAM_REDIS_URL": "http://127.0.0.1:1/0"},
      "invalid settings: CHATSTREAM_REDIS_URL"),
     (["worker"], {"CHATSTREAM_CONCURRENCY": "abc"}, "invalid settings: CHATSTREAM_CONCURRENCY"),
     (["status", "x"], {"CHATSTREAM_RETENTION_SECONDS": "0"},
      "invalid settings: CHATSTREAM_RETENTION_SECONDS"),
+    (["stats"], {"CHATSTREAM_UPSTREAMS": "not json"},
+     "invalid settings: CHATSTREAM_UPSTREAMS: not valid JSON (Expecting value"),
+    (["worker"], {"CHATSTREAM_UPSTREAMS__LOCAL__URL": "ftp://x"},
+     "invalid settings: CHATSTREAM_UPSTREAMS__LOCAL__URL: String should match pattern"),
     (["status", "nope"], {}, "no job 'nope'"),
     (["tail", "nope"], {}, "no job 'nope'"),
     (["cancel", "nope"], {}, "no job 'nope'"),
@@ -292,21 +431,23 @@ USER_ERRORS: list[tuple[list[str], dict[str, str], str]] = [
 
 
 async def test_user_errors_are_one_line(cli: Cli) -> None:
-    results = await asyncio.gather(*(cli.run(*args, env=env) for args, env, _ in USER_ERRORS))
+    results = await asyncio.gather(
+        *(cli.run(*args, env=env, timeout=DEADLINE) for args, env, _ in USER_ERRORS)
+    )
     for (args, _, fragment), result in zip(USER_ERRORS, results, strict=True):
         assert_one_line_error(result, fragment, args)
     assert await cli.redis.xlen(cli.keys.queue) == 0
 
 
-@pytest.mark.slow  # the client retries connecting for about 6 s first
-async def test_redis_down_is_one_line(cli: Cli) -> None:
-    """A closed port: one line naming the URL (without its password) after the retries."""
+async def test_redis_down_is_one_line_at_once(cli: Cli) -> None:
+    """A closed port: one line naming the URL (without its password), no retries first."""
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     cases = [
         (["status", "x"], url, f"cannot reach Redis at {url}"),
         (["worker"], url, f"cannot reach Redis at {url}"),
         (["enqueue", "--model", "m", "--message", "x"], url, f"cannot reach Redis at {url}"),
+        (["demo"], url, f"cannot reach Redis at {url}"),
         (
             ["status", "x"],
             f"redis://user:s3cret@127.0.0.1:{port}/0",
@@ -314,11 +455,105 @@ async def test_redis_down_is_one_line(cli: Cli) -> None:
         ),
     ]
     results = await asyncio.gather(
-        *(cli.run(*args, env={"CHATSTREAM_REDIS_URL": u}) for args, u, _ in cases)
+        *(cli.run(*args, env={"CHATSTREAM_REDIS_URL": u}, timeout=DEADLINE) for args, u, _ in cases)
     )
     for (args, _, fragment), result in zip(cases, results, strict=True):
         assert_one_line_error(result, fragment, args)
         assert "s3cret" not in result.stderr
+
+
+async def test_a_port_that_is_not_redis_is_one_line(cli: Cli) -> None:
+    """Something silent on the port, and an HTTP server (the mock upstream) on it."""
+    http_port = urlsplit(cli.env["CHATSTREAM_UPSTREAM_URL"]).port
+    async with silent_server() as silent_port:
+        silent, http = await asyncio.gather(
+            cli.run("stats", env={"CHATSTREAM_REDIS_URL": f"redis://127.0.0.1:{silent_port}/0"},
+                    timeout=DEADLINE),
+            cli.run("stats", env={"CHATSTREAM_REDIS_URL": f"redis://127.0.0.1:{http_port}/0"},
+                    timeout=DEADLINE),
+        )  # fmt: skip
+    assert_one_line_error(silent, f"no answer from Redis at redis://127.0.0.1:{silent_port}/0")
+    assert "within 5s (is it a Redis server?)" in silent.stderr
+    assert_one_line_error(http, f"Redis at redis://127.0.0.1:{http_port}/0")  # (no answer)
+
+
+async def test_a_busy_port_is_one_line(cli: Cli) -> None:
+    """The mock's port, and the metrics port of a worker and of the demo, taken."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = {"CHATSTREAM_METRICS_PORT": str(port), "CHATSTREAM_METRICS_HOST": "127.0.0.1"}
+        demo_env = {**clean_env(), **busy}  # the demo's own Redis stand-in and mock
+        mock, worker, demo = await asyncio.gather(
+            cli.run("mock-upstream", "--port", str(port), timeout=DEADLINE),
+            cli.run("worker", env=busy, timeout=DEADLINE),
+            run_with_env(cli, demo_env, "demo"),
+        )
+    address = f"127.0.0.1:{port}: address already in use"
+    assert_one_line_error(mock, f"the mock upstream cannot listen on {address}")
+    metrics = f"the metrics server (CHATSTREAM_METRICS_PORT) cannot listen on {address}"
+    assert_one_line_error(worker, metrics)
+    # the demo says which stand-ins it uses first, then the one error line
+    assert demo.returncode == 1 and "Traceback" not in demo.stderr, demo
+    assert demo.stderr.splitlines()[-1] == f"chatstream: error: {metrics}"
+
+
+async def run_with_env(cli: Cli, env: dict[str, str], *args: str) -> Result:
+    """Like ``cli.run``, with exactly ``env`` (no CHATSTREAM_* of the fixture's)."""
+    async with cli.cores:
+        process = await asyncio.create_subprocess_exec(
+            CHATSTREAM, *args, env=env, cwd=cli.cwd,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        async with asyncio.timeout(DEADLINE):
+            out, err = await process.communicate()
+    assert process.returncode is not None
+    return Result(process.returncode, out.decode(), err.decode())
+
+
+async def test_records_from_other_producers(cli: Cli) -> None:
+    """No ``id``: the key names the job. No or an unknown ``status``: one clear line."""
+    fields: Any = {"status": "queued", "attempt": "0", "request": "{}"}
+    await cli.redis.hset(cli.keys.job("no-id"), mapping=fields)
+    await cli.redis.hset(cli.keys.job("no-status"), mapping={"id": "no-status"})
+    await cli.redis.hset(cli.keys.job("odd-status"), mapping={**fields, "status": "pending"})
+    no_id, no_status, odd = await asyncio.gather(
+        cli.run("status", "no-id", "--json", timeout=DEADLINE),
+        cli.run("status", "no-status", timeout=DEADLINE),
+        cli.run("tail", "odd-status", timeout=DEADLINE),
+    )
+    assert no_id.returncode == 0, no_id.stderr
+    assert json.loads(no_id.stdout)["id"] == "no-id"
+    assert_one_line_error(no_status, "job 'no-status': malformed record (status: Field required)")
+    assert_one_line_error(odd, "job 'odd-status': malformed record (status: Input should be")
+
+
+async def test_output_closed_early_exits_quietly(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
+    """``| head -1``: exit 141 (SIGPIPE's status) with nothing on stderr, while the job
+    still runs; the job is not disturbed."""
+    job_id = await cli.client.enqueue(chat("piped", tokens=60, rate=20), job_id="piped")
+    chatstream = shlex.quote(CHATSTREAM)
+    pipes = [
+        f"{chatstream} tail {job_id} --json | head -1",
+        f"{chatstream} enqueue --model m --message x --wait --mock '{{\"tokens\": 5}}' | head -1",
+    ]
+    for pipeline in pipes:
+        process = await asyncio.create_subprocess_exec(
+            "bash", "-c", f"set -o pipefail; {pipeline}", env=cli.env, cwd=cli.cwd,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        async with asyncio.timeout(DEADLINE):
+            out, err = await process.communicate()
+        assert process.returncode == 141, (pipeline, err.decode())
+        assert err == b"", (pipeline, err.decode())
+        assert len(out.decode().splitlines()) == 1, pipeline
+    assert (await cli.client.result(job_id, timeout=15)).status == "succeeded"
+
+
+async def test_version(cli: Cli) -> None:
+    result = await cli.run("--version", timeout=DEADLINE)
+    assert (result.returncode, result.stdout) == (0, f"chatstream {version('chatstream')}\n")
 
 
 USAGE_ERRORS: list[tuple[list[str], str]] = [
@@ -372,6 +607,14 @@ async def test_worker_exits_0_on_sigterm_after_finishing_its_job(cli: Cli, tmp_p
     log_text = (tmp_path / "w.log").read_text()
     assert "Traceback" not in log_text
     assert "shutting down gracefully" in log_text
+    redis_at = urlsplit(cli.env["CHATSTREAM_REDIS_URL"]).netloc
+    upstream = cli.env["CHATSTREAM_UPSTREAM_URL"]
+    loop = "uvloop" if speedups.uvloop_installed() else "asyncio"
+    parser = "hiredis" if speedups.hiredis_installed() else "python"
+    assert (
+        f" started: redis {redis_at}/0 tls=off prefix={cli.prefix} upstreams: default={upstream}"
+        f" concurrency=4 lease=30s event_loop={loop} redis_parser={parser}\n"
+    ) in log_text
 
 
 async def test_demo_runs_without_any_configuration(tmp_path: Path) -> None:

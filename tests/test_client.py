@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from schemas.events import EventType, StreamEvent
 from tests.conftest import MOCK, Harness, chat
 from tests.support import check_stream, merge_deltas, queue_is_empty, stream_entries
-from worker.client import Client, SyncClient
+from worker.client import Client, SyncClient, within
 from worker.errors import InvalidJobError, JobNotFoundError
 from worker.mock_upstream import expected_reply
 
@@ -98,9 +99,10 @@ async def test_events_resume_after_an_entry_id(harness: Harness) -> None:
     for k in (0, 1, len(events) // 2, len(events) - 2):
         later = await collect(harness.client, record.id, after=events[k].id)
         assert later == events[k + 1 :]
-    # resuming at the terminal entry: nothing more comes, and the call returns
-    last = await asyncio.wait_for(collect(harness.client, record.id, after=events[-1].id), 2)
-    assert last == []
+    # resuming at the terminal entry: nothing more comes, and the call returns at once
+    # (docs/consumers.md), even with the default 2 s blocking read
+    after_end = harness.client.events(record.id, after=events[-1].id)
+    assert await asyncio.wait_for(anext(after_end, None), 1) is None
 
 
 async def test_events_of_a_queued_job_wait_then_stream_live(harness: Harness) -> None:
@@ -281,3 +283,25 @@ async def test_sync_client_in_a_thread(harness: Harness) -> None:
     assert record.content == expected_reply(chat(tokens=15), MOCK)
     check_stream(events, record)
     assert cancelled == "cancelled"
+
+
+async def test_within_holds_its_deadline_when_a_cancellation_is_swallowed() -> None:
+    """redis-py can swallow a cancellation (worker.tasks.cancel_and_wait); asyncio.timeout
+    would then let the work run on to its end, ``within`` stops it anyway."""
+    swallowed: list[bool] = []
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            swallowed.append(True)  # like a redis-py read whose reply raced the cancel
+        await asyncio.sleep(30)
+        return "ran on"
+
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await within(stubborn(), 0.1)
+    assert swallowed == [True]
+    assert time.monotonic() - began < 10  # not the 30 s the work would take
+    assert await within(asyncio.sleep(0, "quick"), 1) == "quick"
+    assert await within(asyncio.sleep(0, "no limit"), None) == "no limit"

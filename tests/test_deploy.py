@@ -97,10 +97,10 @@ def option(args: list[str], name: str) -> str:
 
 def test_compose_has_the_services_and_the_demo_profile() -> None:
     found = services()
-    assert {"redis", "worker", "mock-upstream", "demo"} <= set(found)
+    assert {"redis", "worker", "mock-upstream", "demo-worker", "demo"} <= set(found)
     assert "profiles" not in found["redis"] and "profiles" not in found["worker"]
-    assert found["mock-upstream"]["profiles"] == ["demo"]
-    assert found["demo"]["profiles"] == ["demo"]
+    for name in ("mock-upstream", "demo-worker", "demo"):
+        assert found[name]["profiles"] == ["demo"], name
 
 
 def test_redis_is_redis_7_with_aof_and_a_ping_healthcheck() -> None:
@@ -122,8 +122,9 @@ def test_the_worker_can_be_scaled() -> None:
 
 def test_every_command_parses_with_the_cli() -> None:
     commands = {name: parse_command(s["command"]) for name, s in services().items() if "build" in s}
-    assert set(commands) == {"worker", "mock-upstream", "demo"}
+    assert set(commands) == {"worker", "mock-upstream", "demo-worker", "demo"}
     assert commands["worker"].command.__name__ == "worker_command"
+    assert commands["demo-worker"].command.__name__ == "worker_command"
     assert commands["mock-upstream"].command.__name__ == "mock_command"
     demo = commands["demo"]
     assert demo.command.__name__ == "enqueue_command" and demo.follow
@@ -139,38 +140,71 @@ def test_images_are_built_from_this_repository() -> None:
 def test_every_chatstream_variable_is_a_setting_and_validates(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    anchor = compose()["x-chatstream-env"]
     for name, service in services().items():
         env = environment(service)
         for key in env:
             if key.startswith(ENV_PREFIX):
                 field = key[len(ENV_PREFIX) :].lower()
                 assert field in Settings.model_fields, f"{name}: {key} is not a setting"
-        if not any(key.startswith(ENV_PREFIX) for key in env):
-            continue
-        assert {k: v for k, v in env.items() if k in anchor} == anchor, name
-        for key in list(os.environ):
-            if key.startswith(ENV_PREFIX):
-                monkeypatch.delenv(key)
-        for key, value in env.items():
-            if value is not None:
-                monkeypatch.setenv(key, value)
-        Settings(_env_file=None)  # raises if a value is invalid
+        if any(key.startswith(ENV_PREFIX) for key in env):
+            resolved_settings(monkeypatch, env)  # raises if a value is invalid
 
 
-def test_redis_url_and_upstream_url_name_the_services() -> None:
+def resolved_settings(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str | None], shell: dict[str, str] | None = None
+) -> Settings:
+    """The settings a container gets: the service's environment, pass-through names taken
+    from ``shell`` (compose's own environment) when set there."""
+    for key in list(os.environ):
+        if key.startswith(ENV_PREFIX):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        given = (shell or {}).get(key) if value is None else value
+        if given is not None:
+            monkeypatch.setenv(key, given)
+    return Settings(_env_file=None)
+
+
+def test_the_services_share_redis_and_the_demo_has_its_own_prefix() -> None:
     found = services()
-    worker_env = environment(found["worker"])
-    redis_url = urlsplit(worker_env["CHATSTREAM_REDIS_URL"] or "")
+    envs = {name: environment(found[name]) for name in ("worker", "demo-worker", "demo")}
+    redis_url = urlsplit(envs["worker"]["CHATSTREAM_REDIS_URL"] or "")
     assert (redis_url.scheme, redis_url.hostname, redis_url.port) == ("redis", "redis", 6379)
-    for name in ("worker", "demo"):
-        assert environment(found[name])["CHATSTREAM_REDIS_URL"] == redis_url.geturl()
-    upstream = urlsplit(worker_env["CHATSTREAM_UPSTREAM_URL"] or "")
+    assert {env["CHATSTREAM_REDIS_URL"] for env in envs.values()} == {redis_url.geturl()}
+    demo_prefix = envs["demo"]["CHATSTREAM_PREFIX"]
+    assert envs["demo-worker"]["CHATSTREAM_PREFIX"] == demo_prefix
+    assert envs["worker"]["CHATSTREAM_PREFIX"] != demo_prefix  # real workers never see it
+
+
+def test_the_demo_worker_streams_from_the_mock() -> None:
+    found = services()
+    upstream = urlsplit(environment(found["demo-worker"])["CHATSTREAM_UPSTREAM_URL"] or "")
     mock_args = argv(found["mock-upstream"]["command"])
     assert upstream.hostname == "mock-upstream"
     assert upstream.port == int(option(mock_args, "--port"))
     assert upstream.path == "/v1"
     assert option(mock_args, "--host") == "0.0.0.0"
+
+
+def test_the_worker_takes_its_upstreams_from_the_shell_or_chatstream_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It never sets an upstream itself: CHATSTREAM_UPSTREAMS with a ``default`` from the
+    shell is accepted (a set CHATSTREAM_UPSTREAM_URL made the settings refuse both), and
+    CHATSTREAM_UPSTREAMS__* reach it through the optional chatstream.env."""
+    worker = services()["worker"]
+    env = environment(worker)
+    for name in ("CHATSTREAM_UPSTREAM_URL", "CHATSTREAM_UPSTREAM_API_KEY", "CHATSTREAM_UPSTREAMS"):
+        assert env[name] is None, name  # pass-through: unset unless the shell sets it
+    shell = {"CHATSTREAM_UPSTREAMS": '{"default": {"url": "https://api.example.com/v1"}}'}
+    settings = resolved_settings(monkeypatch, env, shell)
+    assert settings.upstream("default").url == "https://api.example.com/v1"
+    assert worker["env_file"] == [{"path": "./chatstream.env", "required": False}]
+    nested = {"CHATSTREAM_UPSTREAMS__OPENROUTER__URL": "https://openrouter.ai/api/v1"}
+    settings = resolved_settings(monkeypatch, {**nested, **env})  # env_file, then environment
+    assert settings.upstream_names() == ["default", "openrouter"]
+    for ignore_file in (".gitignore", ".dockerignore"):  # it holds keys
+        assert "chatstream.env" in (ROOT / ignore_file).read_text().split(), ignore_file
 
 
 def test_ports_match_the_cli_and_settings_defaults() -> None:
@@ -186,12 +220,13 @@ def test_ports_match_the_cli_and_settings_defaults() -> None:
 
 
 def test_the_worker_healthcheck_uses_its_metrics_port() -> None:
-    worker = services()["worker"]
-    port = environment(worker)["CHATSTREAM_METRICS_PORT"]
-    assert port is not None
-    assert [str(p) for p in worker["expose"]] == [port]
-    url = urlsplit(healthcheck_url(worker))
-    assert (url.hostname, url.port, url.path) == ("127.0.0.1", int(port), "/healthz")
+    for name in ("worker", "demo-worker"):
+        worker = services()[name]
+        port = environment(worker)["CHATSTREAM_METRICS_PORT"]
+        assert port is not None
+        assert [str(p) for p in worker["expose"]] == [port]
+        url = urlsplit(healthcheck_url(worker))
+        assert (url.hostname, url.port, url.path) == ("127.0.0.1", int(port), "/healthz")
 
 
 def test_the_stop_timeout_covers_the_shutdown_grace_period() -> None:
@@ -207,7 +242,7 @@ def test_the_demo_client_waits_for_a_ready_worker_and_mock() -> None:
     depends = services()["demo"]["depends_on"]
     assert depends["redis"]["condition"] == "service_healthy"
     assert depends["mock-upstream"]["condition"] == "service_healthy"
-    assert depends["worker"]["condition"] == "service_healthy"
+    assert depends["demo-worker"]["condition"] == "service_healthy"
 
 
 # -- Dockerfile ---------------------------------------------------------------------------

@@ -6,9 +6,9 @@
 * ``docs/redis.md`` names the real keys and documents every record field the code writes.
 * Every event a real worker writes validates as its documented data model, and the
   ``docs/events.md`` sample entries do too.
-* The ``python`` and ``sh`` examples of ``docs/consumers.md`` and ``docs/redis.md`` run
-  against a real redis-server and worker (prefix ``chatstream`` on database 15 of the
-  test server). ``console`` blocks are illustrations and are not run.
+* The ``python`` and ``sh`` examples of ``docs/consumers.md``, ``docs/redis.md`` and
+  ``docs/producers.md`` run against a real redis-server and worker (prefix ``chatstream``
+  on database 15 of the test server). ``console`` blocks are illustrations and are not run.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from redis.asyncio import Redis
 
 from schemas.events import DATA_MODELS, EventType, StreamEvent
@@ -36,9 +37,11 @@ from tests.conftest import RedisServer, chat
 from worker import docgen
 from worker.client import Client
 from worker.keys import GROUP, Keys
+from worker.metrics import Metrics
 from worker.mock_upstream import MockUpstream
 from worker.runner import Worker
 from worker.settings import Settings
+from worker.stats import QueueCounts
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -48,6 +51,8 @@ OUR_DOCS = (
     "configuration.md",
     "scaling.md",
     "consumers.md",
+    "producers.md",
+    "operations.md",
     "decisions.md",
 )
 DOC_DB = 15
@@ -181,7 +186,7 @@ def test_readme_links_the_docs() -> None:
 def test_redis_md_names_the_real_keys() -> None:
     text = doc_text("redis.md")
     keys = Keys("<p>")
-    for key in (keys.queue, keys.dead, keys.workers, keys.cancel_channel):
+    for key in (keys.queue, keys.dead, keys.workers, keys.cancel_channel, keys.jobs):
         assert f"`{key}`" in text
     assert f"`{keys.job('<id>')}`" in text and f"`{keys.events('<id>')}`" in text
     assert f"consumer group `{GROUP}`" in text
@@ -426,20 +431,117 @@ async def test_redis_md_and_consumers_md_commands_run(doc_env: DocEnv) -> None:
     for name, expected in (("consumers.md", ("delta", "done", "succeeded")), ("redis.md", ())):
         for block in blocks(name, "sh"):
             assert "JOB=demo-1" in block
-            script = "set -euo pipefail\n" + block.replace(
-                "redis-cli ", f"redis-cli -u {doc_env.url} "
-            )
-            result = await asyncio.to_thread(
-                subprocess.run,
-                ["bash", "-c", script],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=False,
-            )
+            result = await run_sh(block, doc_env.url)
             assert result.returncode == 0, result.stderr
             assert "ERR" not in result.stdout, result.stdout
             for word in expected:
                 assert word in result.stdout
     dead = Keys().dead
     assert not await doc_env.redis.exists(dead)  # nothing was dead-lettered here
+
+
+async def run_sh(block: str, url: str) -> subprocess.CompletedProcess[str]:
+    script = "set -euo pipefail\n" + block.replace("redis-cli ", f"redis-cli -u {url} ")
+    return await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+async def test_producers_md_enqueues_with_plain_redis_commands(doc_env: DocEnv) -> None:
+    """The redis-cli producer, run twice (a retried enqueue): one job, run once, listed,
+    readable with chatstream's client like any other."""
+    if shutil.which("redis-cli") is None:
+        pytest.skip("needs redis-cli")
+    [block] = blocks("producers.md", "sh")
+    job_id = re.search(r"^JOB=(\S+)$", block, re.M).group(1)  # type: ignore[union-attr]
+    first = await run_sh(block, doc_env.url)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() in {"queued", "running", "succeeded"}, first.stdout
+    entry = await doc_env.redis.hget(doc_env.client.keys.job(job_id), "queue_entry")
+    again = await run_sh(block, doc_env.url)
+    assert again.returncode == 0, again.stderr
+    record = await doc_env.client.result(job_id, timeout=30)
+    assert record.status == "succeeded" and record.content, record
+    assert record.attempt == 1 and record.created_at is not None
+    assert await doc_env.redis.hget(doc_env.client.keys.job(job_id), "queue_entry") == entry
+    events = await entries(doc_env, job_id)
+    assert [e.type for e in events if e.type is not EventType.DELTA] == [EventType.DONE]
+    assert 86_000 < await doc_env.redis.ttl(doc_env.client.keys.job(job_id)) <= 86_400
+    assert [job.id for job in (await doc_env.client.jobs()).jobs] == [job_id]
+    assert record.request == {
+        "model": "some/model",
+        "messages": [{"role": "user", "content": "Hello"}],
+    }
+
+
+# -- operations.md: the metrics, alert rules and log lines it names exist -------------------
+
+
+def served_metric_names() -> set[str]:
+    """Every sample name a worker's /metrics can carry (labelled ones included)."""
+    metrics = Metrics()
+    metrics.queue.counts = QueueCounts(0, 0, 0)
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("", "_bucket", "_count", "_sum"),  # the table names the family
+        "gauge": ("",),
+    }
+    return {
+        family.name + suffix
+        for family in metrics.registry.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+
+
+def metric_names_in(text: str) -> set[str]:
+    return set(re.findall(r"\bchatstream_[a-z_]+\b", text))
+
+
+def test_operations_md_metrics_and_alert_rules_name_served_metrics() -> None:
+    served = served_metric_names()
+    text = doc_text("operations.md")
+    table = text.split("## Metrics and health", 1)[1].split("\n## ", 1)[0]
+    assert {"chatstream_tokens_total", "chatstream_upstream_errors_total"} <= metric_names_in(table)
+    assert not metric_names_in(table) - served, metric_names_in(table) - served
+    [rules_text] = blocks("operations.md", "yaml")
+    rules = yaml.safe_load(rules_text)["groups"][0]["rules"]
+    assert len(rules) >= 6
+    named: set[str] = set()
+    for rule in rules:
+        assert ("alert" in rule) != ("record" in rule), rule
+        assert rule["expr"].count("(") == rule["expr"].count(")"), rule["expr"]
+        named |= metric_names_in(rule["expr"])
+    assert not named - served, named - served
+    assert {"chatstream_jobs_total", "chatstream_upstream_errors_total"} <= named
+
+
+def worker_strings() -> str:
+    """Every string literal of worker/*.py (implicit concatenations joined, f-string text
+    kept), quotes removed: what the code can log."""
+    found: list[str] = []
+    for path in (ROOT / "worker").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append(node.value)
+    return re.sub(r"[\"']", "", "\n".join(found))
+
+
+def test_operations_md_log_lines_are_what_the_code_logs() -> None:
+    """Each documented line's fixed text (between its <placeholders>) is in the code."""
+    text = doc_text("operations.md")
+    table = text.split("The lines an operator looks for", 1)[1].split("\n\n", 2)[1]
+    rows = [row for row in table.splitlines() if row.startswith("| ") and "`" in row]
+    assert len(rows) >= 8
+    code = worker_strings()
+    for row in rows:
+        cell = row.split(" | ")[1]
+        for line in re.findall(r"`([^`]+)`", cell):
+            for part in re.split(r"<[^>]*>", line.replace("\\|", "|")):
+                fragment = re.sub(r"[\"']", "", part)
+                if len(fragment.strip()) >= 3:
+                    assert fragment in code, (fragment, line)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -24,7 +27,9 @@ from tests.conftest import Harness, chat, free_port
 from tests.support import (
     custom_harness,
 )
+from tests.test_tls import make_certs
 from worker.mock_upstream import MockConfig, expected_reply
+from worker.settings import Upstream
 
 PARTIAL = "tok0 tok1 tok2"  # what the mock sends before a fault at fault_after=3
 
@@ -102,15 +107,74 @@ async def test_5xx_every_time_fails_after_retry_attempts(harness: Harness, statu
 
 
 async def test_connection_refused_is_retried_then_fails(harness: Harness) -> None:
-    closed = f"http://127.0.0.1:{free_port()}/v1"
-    async with custom_harness(harness, upstream_url=closed, retry_attempts=2) as h:
+    port = free_port()
+    async with custom_harness(
+        harness, upstream_url=f"http://127.0.0.1:{port}/v1", retry_attempts=2
+    ) as h:
         record, events = await run_with(h, chat("hi"))
     assert_failed(
         record,
         events,
         "upstream_retryable",
-        "connection failed before the first byte (ConnectError) (gave up after 2 attempts)",
+        f"upstream 'default': connection refused by 127.0.0.1:{port} (nothing listens there)"
+        " (gave up after 2 attempts)",
     )
+
+
+@asynccontextmanager
+async def tls_server(directory: Path) -> AsyncIterator[int]:
+    """A TLS server with a certificate from a private CA the worker does not trust; it
+    reads whatever comes and hangs up."""
+    certs = make_certs(directory)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certs.cert, certs.key)
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await reader.read(1024)
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0, ssl=context)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await server.wait_closed()
+
+
+async def test_dns_refusal_and_tls_failures_are_told_apart(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """Each failure before the first byte says what happened, with the host and port."""
+    mock_port = urlsplit(harness.settings.upstream_url).port
+    refused = free_port()
+    async with tls_server(tmp_path) as tls_port:
+        upstreams = {
+            "dns": "http://no-such-host.invalid:8400/v1",
+            "refused": f"http://127.0.0.1:{refused}/v1",
+            "not_tls": f"https://127.0.0.1:{mock_port}/v1",  # https to a plain HTTP server
+            "untrusted": f"https://127.0.0.1:{tls_port}/v1",
+            "plain_to_tls": f"http://127.0.0.1:{tls_port}/v1",
+        }
+        config = {name: Upstream(url=url) for name, url in upstreams.items()}
+        async with custom_harness(harness, upstreams=config, retry_attempts=1) as h:
+            jobs = {name: await h.client.enqueue(chat("hi"), upstream=name) for name in upstreams}
+            await h.worker.run_burst()
+            records = {name: await h.client.get(job) for name, job in jobs.items()}
+    expected = {
+        "dns": "upstream 'dns': cannot resolve host 'no-such-host.invalid' (DNS: ",
+        "refused": f"upstream 'refused': connection refused by 127.0.0.1:{refused} ",
+        "not_tls": f"upstream 'not_tls': TLS handshake with 127.0.0.1:{mock_port} failed "
+        "(WRONG_VERSION_NUMBER) (the server does not speak TLS: use http://?)",
+        "untrusted": f"upstream 'untrusted': TLS certificate of 127.0.0.1:{tls_port} not trusted (",
+        "plain_to_tls": f"upstream 'plain_to_tls': no HTTP response from 127.0.0.1:{tls_port} "
+        "(Server disconnected without sending a response.) (a TLS port reached with http://?)",
+    }
+    for name, record in records.items():
+        events = await harness.events(record.id)
+        error = assert_failed(record, events, "upstream_retryable", expected[name])
+        assert error["message"].endswith("(gave up after 1 attempt)"), error
 
 
 @asynccontextmanager
@@ -141,7 +205,9 @@ async def test_reset_before_the_first_byte_is_retried_then_fails(harness: Harnes
         custom_harness(harness, upstream_url=url, retry_attempts=3) as h,
     ):
         record, events = await run_with(h, chat("hi"))
-    assert_failed(record, events, "upstream_retryable", "connection failed before the first byte")
+    port = urlsplit(url).port
+    reset = f"127.0.0.1:{port} dropped the connection before the first byte (connection reset"
+    assert_failed(record, events, "upstream_retryable", reset)
     assert "(gave up after 3 attempts)" in record.error["message"]  # type: ignore[index]
     assert len(accepted) == 3
 

@@ -6,17 +6,26 @@ import asyncio
 import io
 import json
 import logging
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from pydantic import SecretStr
+from redis.asyncio import Redis
 
-from tests.conftest import Harness, chat
-from worker import logs
+from tests.conftest import Harness, chat, free_port
+from tests.support import custom_harness, inject
+from tests.test_security import echo_server
+from worker import logs, speedups
+from worker.runner import Worker
+from worker.runtime import RuntimeChoices, runtime_choices
 from worker.settings import Settings, Upstream
 
 log = logging.getLogger("chatstream.test")
+
+# redis-py picks hiredis when it is installed (the dev extras install it)
+PARSER = "hiredis" if speedups.hiredis_installed() else "python"
 
 
 def json_settings(settings: Settings, **update: Any) -> Settings:
@@ -172,3 +181,207 @@ async def test_a_jobs_lines_carry_its_id_and_attempt(
     assert all(line["worker"] == harness.worker.name for line in job_lines)
     (after,) = [line for line in ours if line["message"] == "after the job"]
     assert "job" not in after
+
+
+# -- the failure line: one WARNING per job that ended failed --------------------------------
+
+
+def failure_lines(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [line for line in lines(stream) if line.get("event") == "job_failed"]
+
+
+async def test_every_terminal_failure_is_one_warning_line(
+    harness: Harness, root_debug: logging.Logger
+) -> None:
+    """401, retries exhausted, connection refused, a key echoed by the upstream, an invalid
+    request, a record without a status, attempts exhausted: one WARNING line each, with
+    job, attempt, upstream, code, HTTP status and the upstream's message; none for the
+    jobs that did not fail."""
+    echo_key = "sk-echo-" + uuid.uuid4().hex
+    refused_port = free_port()
+    async with echo_server() as echo_url:
+        upstreams = {
+            "echo": Upstream(url=echo_url, api_key=SecretStr(echo_key)),
+            "closed": Upstream(url=f"http://127.0.0.1:{refused_port}/v1"),
+        }
+        async with custom_harness(harness, upstreams=upstreams, retry_attempts=2) as h:
+            stream = io.StringIO()
+            handler = logs.build_handler(json_settings(h.settings), stream)
+            root_debug.addHandler(handler)
+            try:
+                jobs = await enqueue_failures(h)
+                await h.worker.run_burst()
+            finally:
+                root_debug.removeHandler(handler)
+            records = {name: await h.client.get(job_id) for name, job_id in jobs.items()}
+    assert records.pop("ok").status == "succeeded"
+    found = failure_lines(stream)
+    assert sorted(line["job"] for line in found) == sorted(r.id for r in records.values())
+    by_name = {name: next(x for x in found if x["job"] == r.id) for name, r in records.items()}
+    for name, record in records.items():
+        line, error = by_name[name], record.error
+        assert record.status == "failed" and error is not None, name
+        assert line["level"] == "WARNING" and line["logger"] == "chatstream.pipeline", line
+        assert (line["code"], line["error"]) == (error["code"], error["message"]), name
+        assert line["status"] == error.get("status"), name
+        assert line["attempt"] == record.attempt, name
+        status = error.get("status", "-")
+        assert line["message"].startswith(
+            f"job {record.id} attempt {record.attempt} failed: code={error['code']} "
+            f"upstream={line['upstream']} status={status} error={json.dumps(error['message'])}"
+        ), line["message"]
+    assert by_name["401"]["status"] == 401 and by_name["401"]["upstream"] == "default"
+    assert by_name["401"]["upstream_message"] == "mock: HTTP 401"
+    assert by_name["exhausted_retries"]["status"] == 500
+    refused = by_name["refused"]
+    assert refused["upstream"] == "closed" and refused["status"] is None
+    assert f"connection refused by 127.0.0.1:{refused_port}" in refused["message"]
+    assert by_name["echo"]["upstream_message"] == "bad credentials: Bearer [REDACTED]"
+    assert echo_key not in stream.getvalue()
+    assert by_name["malformed"]["error"].startswith("malformed record: no status field")
+    assert by_name["attempts_exhausted"]["code"] == "attempts_exhausted"
+
+
+async def enqueue_failures(h: Harness) -> dict[str, str]:
+    """One job per way of failing, plus one that succeeds."""
+    jobs = {
+        "ok": await h.client.enqueue(chat("fine")),
+        "401": await h.client.enqueue(chat("a", fault="http_401")),
+        "exhausted_retries": await h.client.enqueue(chat("b", fault="http_500")),
+        "refused": await h.client.enqueue(chat("c"), upstream="closed"),
+        "echo": await h.client.enqueue(chat("d"), upstream="echo"),
+        "invalid_request": await inject(h, {"request": '{"model": "m"}'}),
+        "malformed": await inject(h, {"request": json.dumps(chat("e"))}),
+        "attempts_exhausted": await inject(h, {"request": json.dumps(chat("f")), "attempt": "3"}),
+    }
+    await h.redis.hdel(h.client.keys.job(jobs["malformed"]), "status")
+    return jobs
+
+
+async def test_the_failure_line_in_text_format(
+    harness: Harness, root_debug: logging.Logger
+) -> None:
+    stream = io.StringIO()
+    handler = logs.build_handler(harness.settings, stream)
+    root_debug.addHandler(handler)
+    try:
+        record = await harness.run(chat("x", fault="http_404"))
+    finally:
+        root_debug.removeHandler(handler)
+    [line] = [x for x in stream.getvalue().splitlines() if " failed: code=" in x]
+    assert line.endswith(
+        f" WARNING chatstream.pipeline: job {record.id} attempt 1 failed: "
+        "code=upstream_terminal upstream=default status=404 "
+        'error="upstream \'default\' returned HTTP 404" upstream_message="mock: HTTP 404" '
+        f"[job={record.id} attempt=1]"
+    )
+
+
+async def test_every_line_about_a_job_carries_its_id(
+    harness: Harness, root_debug: logging.Logger
+) -> None:
+    """Lines logged by background tasks about a job (the cancel) and by the start script's
+    failures (attempts exhausted) carry the job and attempt too."""
+    stream = io.StringIO()
+    handler = logs.build_handler(json_settings(harness.settings), stream)
+    root_debug.addHandler(handler)
+    try:
+        exhausted = await inject(harness, {"request": json.dumps(chat("g")), "attempt": "3"})
+        running = await harness.client.enqueue(chat("slow", tokens=2000, rate=50))
+        burst = asyncio.create_task(harness.worker.run_burst())
+        events = harness.client.keys.events(running)
+        assert await harness.redis.xread({events: "0-0"}, count=1, block=10_000)
+        assert await harness.client.cancel(running) == "requested"
+        await asyncio.wait_for(burst, 15)
+    finally:
+        root_debug.removeHandler(handler)
+    assert (await harness.client.get(running)).status == "cancelled"
+    ours = [line for line in lines(stream) if line["logger"].startswith("chatstream")]
+    for job_id in (exhausted, running):
+        about = [line for line in ours if job_id in line["message"]]
+        assert about, job_id
+        for line in about:
+            assert line.get("job") == job_id, line
+            assert "attempt" in line, line
+    assert any("cancel requested" in line["message"] for line in ours)
+
+
+# -- the start-up line ------------------------------------------------------------------
+
+
+async def test_the_start_up_line_describes_the_configuration_without_secrets(
+    settings: Settings, redis: Redis, root_debug: logging.Logger
+) -> None:
+    """One INFO line: Redis host/db/TLS and user (no password), prefix, upstreams by name
+    and URL (no keys, no headers), concurrency, lease, event loop and Redis parser."""
+    secrets = ("s3cret-redis-pw", "sk-default-key", "sk-named-key", "hdr-secret")
+    configured = json_settings(
+        settings,
+        redis_url=f"rediss://chatstream:{secrets[0]}@redis.internal:6380/2",
+        upstream_url="https://api.example.com/v1",
+        upstream_api_key=SecretStr(secrets[1]),
+        upstreams={
+            "local": Upstream(
+                url="http://vllm.internal:8000/v1",
+                api_key=SecretStr(secrets[2]),
+                headers={"Authorization": f"Bearer {secrets[3]}", "X-Title": "app"},
+            )
+        },
+        concurrency=17,
+        lease_seconds=12,
+    )
+    stream = io.StringIO()
+    handler = logs.build_handler(configured, stream)
+    root_debug.addHandler(handler)
+    worker = Worker(configured, redis, name="w-startup")
+    try:
+        await worker.startup()
+        await worker.shutdown()
+    finally:
+        root_debug.removeHandler(handler)
+    [line] = [x for x in lines(stream) if " started: " in x["message"]]
+    assert line["level"] == "INFO" and line["logger"] == "chatstream.worker"
+    assert line["message"] == (
+        "worker w-startup started: redis chatstream@redis.internal:6380/2 tls=on "
+        f"prefix={configured.prefix} upstreams: default=https://api.example.com/v1 "
+        "local=http://vllm.internal:8000/v1 concurrency=17 lease=12s event_loop=asyncio "
+        f"redis_parser={PARSER}"
+    )
+    assert line["upstreams"] == {
+        "default": "https://api.example.com/v1",
+        "local": "http://vllm.internal:8000/v1",
+    }
+    assert (line["event_loop"], line["redis_parser"]) == ("asyncio", PARSER)
+    assert not any("UPSTREAM_URL is not set" in x["message"] for x in lines(stream))
+    text = stream.getvalue()
+    for secret in secrets:
+        assert secret not in text
+
+
+async def test_an_unconfigured_default_upstream_is_a_warning(
+    redis: Redis, prefix: str, root_debug: logging.Logger
+) -> None:
+    bare = Settings(_env_file=None, prefix=prefix, log_format="json")  # nothing configured
+    stream = io.StringIO()
+    handler = logs.build_handler(bare, stream)
+    root_debug.addHandler(handler)
+    worker = Worker(bare, redis)
+    try:
+        await worker.startup()
+        await worker.shutdown()
+    finally:
+        root_debug.removeHandler(handler)
+    [warning] = [x for x in lines(stream) if x["level"] == "WARNING"]
+    assert warning["message"].startswith(
+        "CHATSTREAM_UPSTREAM_URL is not set: jobs for the upstream 'default' go to the "
+        "built-in http://127.0.0.1:8400/v1"
+    )
+
+
+async def test_runtime_choices_name_the_loop_and_the_parser(redis: Redis) -> None:
+    import fakeredis
+
+    assert runtime_choices(redis) == RuntimeChoices("asyncio", PARSER)
+    fake = fakeredis.FakeAsyncRedis()
+    assert runtime_choices(fake).redis_parser == "fakeredis"
+    await fake.aclose()

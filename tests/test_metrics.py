@@ -13,12 +13,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from tests.conftest import chat, free_port
+from tests.support import silent_server
 from worker.client import Client
 from worker.metrics import JobTiming, Metrics, MetricsServer
 from worker.mock_upstream import MockUpstream
 from worker.queue import Queue
 from worker.runner import Worker
-from worker.settings import Settings
+from worker.settings import Settings, Upstream
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -172,9 +173,17 @@ async def test_failures_retries_and_error_codes_are_counted(
     assert get("chatstream_jobs_total", status="failed") == 2
     assert get("chatstream_retries_total", stage="upstream") == 1
     assert get("chatstream_retries_total", stage="pipeline") == 0
-    assert get("chatstream_upstream_errors_total", code="upstream_retryable") == 1
-    assert get("chatstream_upstream_errors_total", code="upstream_terminal") == 1
-    assert get("chatstream_upstream_errors_total", code="upstream_stream_error") == 1
+    errors = {
+        labels: value
+        for (name, labels), value in samples.items()
+        if name == "chatstream_upstream_errors_total"
+    }
+    up = ("upstream", "default")
+    assert errors == {
+        (("code", "upstream_retryable"), ("status", "500"), up): 1,
+        (("code", "upstream_terminal"), ("status", "400"), up): 1,
+        (("code", "upstream_stream_error"), ("status", "none"), up): 1,
+    }
 
 
 async def test_stream_retries_after_the_first_byte_are_counted(
@@ -196,7 +205,8 @@ async def test_stream_retries_after_the_first_byte_are_counted(
     assert (await client.get(job_id)).status == "succeeded"
     registry = worker.metrics.registry
     assert registry.get_sample_value("chatstream_retries_total", {"stage": "pipeline"}) == 1
-    assert registry.get_sample_value("chatstream_upstream_errors_total", {"code": "truncated"})
+    labels = {"upstream": "default", "code": "truncated", "status": "none"}
+    assert registry.get_sample_value("chatstream_upstream_errors_total", labels) == 1
 
 
 async def test_reclaims_are_counted(settings: Settings, redis: Redis) -> None:
@@ -231,7 +241,8 @@ async def test_health_and_readiness(served: Served) -> None:
 
 
 async def test_not_ready_without_redis() -> None:
-    unreachable = Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", decode_responses=True)
+    port = free_port()
+    unreachable = Redis.from_url(f"redis://127.0.0.1:{port}/0", decode_responses=True)
     server = MetricsServer(Metrics(), unreachable, asyncio.Event())
     await server.start("127.0.0.1", 0)
     try:
@@ -242,8 +253,22 @@ async def test_not_ready_without_redis() -> None:
         await server.stop()
         await unreachable.aclose()
     assert ready.status_code == 503
-    assert ready.json()["reason"].startswith("redis unreachable")
+    reason = ready.json()["reason"]
+    assert reason.startswith(f"redis at 127.0.0.1:{port}/0 unreachable: ConnectionError: "), reason
+    assert "Connect call failed" in reason  # the reason, not an empty string
     assert health.status_code == 200  # alive: only readiness depends on Redis
+
+
+async def test_not_ready_while_redis_does_not_answer() -> None:
+    """Something that accepts connections and never answers: a reason, not ``TimeoutError: ``."""
+    async with silent_server() as port:
+        silent = Redis.from_url(f"redis://127.0.0.1:{port}/3", decode_responses=True)
+        server = MetricsServer(Metrics(), silent, asyncio.Event())
+        try:
+            reason = await server.not_ready()
+        finally:
+            await silent.aclose()
+    assert reason == f"redis at 127.0.0.1:{port}/3 did not answer PING within 1s"
 
 
 async def test_no_server_without_a_port_and_registries_are_per_worker(
@@ -280,3 +305,76 @@ def test_job_timing_counts_per_job_not_per_delta() -> None:
     assert registry.get_sample_value("chatstream_jobs_total", {"status": "succeeded"}) == 1
     ttft = registry.get_sample_value("chatstream_time_to_first_token_seconds_sum")
     assert ttft is not None and 1.9 < ttft < 3
+
+
+async def test_tokens_are_counted_by_upstream_and_model(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> None:
+    """The usage of finished jobs by upstream and model; a job without usage adds none."""
+    _, url = mock_upstream
+    settings = settings.model_copy(
+        update={"upstream_url": url, "upstreams": {"second": Upstream(url=url)}}
+    )
+    client = Client.from_settings(settings, redis)
+    requests = [
+        (chat("one", tokens=7), "default"),
+        (chat("two two", tokens=11), "default"),
+        (chat("three", tokens=5), "second"),
+        (chat("cut", tokens=9, fault="midstream_error", fault_after=2), "second"),
+    ]
+    jobs = [await client.enqueue(request, upstream=name) for request, name in requests]
+    worker = Worker(settings, redis)
+    await worker.startup()
+    try:
+        assert await worker.run_burst() == 4
+    finally:
+        await worker.shutdown()
+    expected: dict[tuple[str, str, str], float] = {}
+    for job_id, (_, name) in zip(jobs, requests, strict=True):
+        record = await client.get(job_id)
+        if record.status == "failed":  # the mock's mid-stream error chunk carries no usage
+            assert record.usage is None
+            continue
+        assert record.usage is not None and record.model, record
+        for kind in ("prompt", "completion"):
+            key = (name, record.model, kind)
+            expected[key] = expected.get(key, 0) + record.usage[f"{kind}_tokens"]
+    registry = worker.metrics.registry
+    for (name, model, kind), count in expected.items():
+        labels = {"upstream": name, "model": model, "kind": kind}
+        assert registry.get_sample_value("chatstream_tokens_total", labels) == count, labels
+    assert len({key[0] for key in expected}) == 2 and len(expected) == 4
+    counted = sum(
+        s.value
+        for family in registry.collect()
+        if family.name == "chatstream_tokens"
+        for s in family.samples
+        if s.name == "chatstream_tokens_total"
+    )
+    assert counted == sum(expected.values())
+
+
+def test_label_values_are_bounded() -> None:
+    metrics = Metrics(upstreams=["default", "b"], max_models=2)
+    usage = {"prompt_tokens": 3, "completion_tokens": 4}
+    for model in ("m1", "m2", "m3", "m4", "m1"):
+        metrics.job_usage("default", model, usage)
+    metrics.job_usage("not-configured", "m2", usage)
+    metrics.upstream_error_code("upstream_terminal", "also-not", 418)
+    registry = metrics.registry
+    tokens = {
+        (s.labels["upstream"], s.labels["model"], s.labels["kind"]): s.value
+        for family in registry.collect()
+        if family.name == "chatstream_tokens"
+        for s in family.samples
+        if s.name == "chatstream_tokens_total"
+    }
+    assert tokens == {
+        ("default", "m1", "prompt"): 6, ("default", "m1", "completion"): 8,
+        ("default", "m2", "prompt"): 3, ("default", "m2", "completion"): 4,
+        ("default", "other", "prompt"): 6, ("default", "other", "completion"): 8,
+        ("other", "m2", "prompt"): 3, ("other", "m2", "completion"): 4,
+    }  # fmt: skip
+    labels = {"upstream": "other", "code": "upstream_terminal", "status": "418"}
+    assert registry.get_sample_value("chatstream_upstream_errors_total", labels) == 1
+    assert metrics.model_label("x" * 500) == "other"  # the cap holds for odd names too

@@ -26,11 +26,11 @@ from schemas.events import EventType
 from tests.conftest import Harness, RedisServer, chat, free_port, redis_executable
 from tests.support import custom_harness, inject
 from worker import logs
-from worker.cli import redacted_url
 from worker.client import Client, redis_from_settings
 from worker.errors import InvalidJobError
 from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 from worker.runner import Worker
+from worker.runtime import redacted_url
 from worker.settings import Settings, Upstream
 
 # -- a job names an upstream; it never chooses a URL --------------------------------------------

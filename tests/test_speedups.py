@@ -7,6 +7,7 @@ import logging
 
 import pytest
 from redis._parsers import _AsyncHiredisParser, _AsyncRESP3Parser
+from redis.asyncio import Redis
 
 from tests.conftest import chat
 from worker import speedups
@@ -14,6 +15,7 @@ from worker.client import Client, redis_from_settings
 from worker.errors import ConfigError
 from worker.mock_upstream import serve_mock
 from worker.runner import Worker
+from worker.runtime import runtime_choices
 from worker.settings import Settings
 
 needs_uvloop = pytest.mark.skipif(not speedups.uvloop_installed(), reason="needs uvloop")
@@ -52,7 +54,7 @@ def test_forcing_asyncio_runs_asyncio() -> None:
     settings = Settings(_env_file=None, event_loop="asyncio")
 
     async def which() -> str:
-        return speedups.in_use().loop
+        return runtime_choices(Redis()).event_loop
 
     assert speedups.run(which(), settings) == "asyncio"
 
@@ -62,7 +64,7 @@ def test_auto_runs_uvloop_when_installed() -> None:
     settings = Settings(_env_file=None)
 
     async def which() -> str:
-        return speedups.in_use().loop
+        return runtime_choices(Redis()).event_loop
 
     assert speedups.run(which(), settings) == "uvloop"
 
@@ -75,7 +77,7 @@ async def test_each_parser_talks_to_redis_and_replaces_bad_utf8(
     redis = redis_from_settings(config)
     expected = _AsyncHiredisParser if parser == "hiredis" else _AsyncRESP3Parser
     assert redis.connection_pool.connection_kwargs["parser_class"] is expected
-    assert speedups.in_use(redis).redis_parser == parser
+    assert runtime_choices(redis).redis_parser == parser
     key = f"{config.prefix}:bytes"
     try:
         await redis.set(key, b"ok \xff\xfe")
@@ -107,4 +109,4 @@ async def test_a_worker_runs_a_job_and_logs_what_it_runs_on(
             await worker.shutdown()
             await redis.aclose()
     loop = "uvloop" if "uvloop" in type(asyncio.get_running_loop()).__module__ else "asyncio"
-    assert f"event loop {loop}, Redis parser {parser}" in caplog.text
+    assert f"event_loop={loop} redis_parser={parser}" in caplog.text

@@ -1,4 +1,12 @@
-"""The ``chatstream`` command. Every failure a user can cause is one line and exit 1."""
+"""The ``chatstream`` command.
+
+Exit codes: 0 done; 1 an error the user can fix, said in one line on stderr (never a
+traceback); 2 a usage error (argparse); 3 the job did not succeed (``enqueue --wait``,
+``--follow``, ``demo``); 130 interrupted; 141 stdout was closed (``... | head -1``), like
+other Unix tools, silently.
+
+Subcommands are registered in :data:`SUBCOMMANDS`: one ``_add_*`` function each.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +14,27 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from schemas.events import EventType, StreamEvent
-from schemas.jobs import JobRecord
+from schemas.jobs import JobRecord, JobStatus
 from worker import logs, speedups
-from worker.client import Client
+from worker.client import Client, ensure_reachable, within
 from worker.errors import ChatstreamError
+from worker.output import print_event, print_jobs, print_record
+from worker.runtime import redacted_url
 from worker.settings import Settings, load_settings
 
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 log = logging.getLogger("chatstream.cli")
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -38,16 +50,22 @@ def run_command(args: argparse.Namespace) -> int:
         logs.configure(settings)
         command: Command = args.command
         return speedups.run(command(settings, args), settings)
-    except ChatstreamError as exc:
-        return fail(exc.message)
-    except RedisConnectionError as exc:
-        return fail(f"cannot reach Redis at {redacted_url(redis_url)}: {exc}")
-    except RedisError as exc:
-        return fail(f"Redis error: {exc}")
-    except TimeoutError:
-        return fail("timed out")
+    except (ChatstreamError, RedisError, TimeoutError) as exc:
+        return fail(error_message(exc, redis_url))
+    except BrokenPipeError:
+        return stdout_closed()
     except KeyboardInterrupt:
         return 130
+
+
+def error_message(exc: ChatstreamError | RedisError | TimeoutError, redis_url: str) -> str:
+    if isinstance(exc, ChatstreamError):
+        return exc.message
+    if isinstance(exc, RedisConnectionError):
+        return f"cannot reach Redis at {redacted_url(redis_url)}: {exc}"
+    if isinstance(exc, RedisError):
+        return f"Redis error: {exc}"
+    return "timed out"  # commands say what timed out; this is a last resort
 
 
 def fail(message: str) -> int:
@@ -55,28 +73,22 @@ def fail(message: str) -> int:
     return 1
 
 
-SECRET_QUERY_PARAMS = frozenset({"password", "ssl_password"})
+def stdout_closed() -> int:
+    """The reader of our output went away (``| head -1``): exit quietly, as ``cat`` does.
+
+    stdout is pointed at /dev/null so the interpreter's final flush cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
-def redacted_url(url: str) -> str:
-    """The Redis URL without its passwords (in the user info or the query string)."""
-    scheme, sep, rest = url.partition("://")
-    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
-    netloc, tail = rest[: min(ends, default=len(rest))], rest[min(ends, default=len(rest)) :]
-    auth, at, host = netloc.rpartition("@")  # like urllib: the last "@" ends the user info
-    if at:
-        user = auth.split(":", 1)[0]
-        netloc = f"{user}{':***' if ':' in auth else ''}@{host}"
-    path, question, query = tail.partition("?")
-    if question:
-        params = [_redacted_param(param) for param in query.split("&")]
-        tail = f"{path}?{'&'.join(params)}"
-    return f"{scheme}{sep}{netloc}{tail}"
-
-
-def _redacted_param(param: str) -> str:
-    name, eq, _ = param.partition("=")
-    return f"{name}=***" if eq and name.lower() in SECRET_QUERY_PARAMS else param
+def package_version() -> str:
+    try:
+        return version("chatstream")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -84,9 +96,10 @@ def _redacted_param(param: str) -> str:
 
 @asynccontextmanager
 async def connected(settings: Settings) -> AsyncIterator[Client]:
+    """A client whose Redis answered a PING (within seconds, or RedisUnavailableError)."""
     client = Client.from_settings(settings)
     try:
-        await client.redis.ping()
+        await ensure_reachable(client.redis, redacted_url(settings.redis_url))
         yield client
     finally:
         await client.aclose()
@@ -121,13 +134,25 @@ async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
         job_id = await client.enqueue(request, job_id=args.job_id, upstream=args.upstream)
         if not (args.follow or args.wait) or not args.json:
             print(job_id, flush=True)
-        if args.follow:
-            await follow(client, job_id, as_json=args.json)
-        if args.wait or args.follow:
-            record = await client.result(job_id, timeout=args.timeout)
-            print_record(record, as_json=args.json)
-            return 0 if record.status == "succeeded" else 3
-    return 0
+        if not (args.follow or args.wait):
+            return 0
+        try:  # --follow and --wait alike
+            record = await within(follow_then_wait(client, job_id, args), args.timeout)
+        except TimeoutError:
+            if args.follow and not args.json:
+                print(flush=True)  # end the partial line of text
+            return fail(
+                f"timed out after {args.timeout:g}s; job {job_id} goes on "
+                f"(chatstream tail {job_id})"
+            )
+        print_record(record, as_json=args.json)
+        return 0 if record.status == "succeeded" else 3
+
+
+async def follow_then_wait(client: Client, job_id: str, args: argparse.Namespace) -> JobRecord:
+    if args.follow:
+        await follow(client, job_id, as_json=args.json)
+    return await client.result(job_id)
 
 
 async def follow(client: Client, job_id: str, *, as_json: bool) -> None:
@@ -144,7 +169,20 @@ async def tail_command(settings: Settings, args: argparse.Namespace) -> int:
 
 async def status_command(settings: Settings, args: argparse.Namespace) -> int:
     async with connected(settings) as client:
-        print_record(await client.get(args.job), as_json=args.json)
+        record = await client.get(args.job)
+        progress = None if args.json else await client.progress(args.job)
+        print_record(record, as_json=args.json, progress=progress)
+    return 0
+
+
+async def jobs_command(settings: Settings, args: argparse.Namespace) -> int:
+    async with connected(settings) as client:
+        page = await client.jobs(
+            status=args.status, upstream=args.upstream, limit=args.limit, before=args.before
+        )
+    print_jobs(page, as_json=args.json)
+    if page.next_before is not None:
+        print(f"(more: chatstream jobs --before {page.next_before!r})", file=sys.stderr)
     return 0
 
 
@@ -208,46 +246,6 @@ async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     return await run_demo(settings, args.message, tokens=args.tokens, rate=args.rate)
 
 
-# -- output -----------------------------------------------------------------------------
-
-
-def print_event(event: StreamEvent, *, as_json: bool) -> None:
-    if as_json:
-        line = {
-            "id": event.id,
-            "type": event.type.value,
-            "attempt": event.attempt,
-            "data": event.data,
-        }
-        print(json.dumps(line, ensure_ascii=False), flush=True)
-    elif event.type is EventType.DELTA:
-        print(event.data.get("content", ""), end="", flush=True)
-    elif event.type is EventType.RESET:
-        print(f"\n[reset: attempt {event.attempt} starts over]", flush=True)
-    else:
-        print(f"\n[{event.type.value}]", flush=True)
-
-
-def print_record(record: JobRecord, *, as_json: bool) -> None:
-    if as_json:
-        print(record.model_dump_json(exclude={"request"}), flush=True)
-        return
-    print(f"job       {record.id}\nstatus    {record.status.value}\nattempt   {record.attempt}")
-    if record.finish_reason:
-        print(f"finish    {record.finish_reason}")
-    if record.usage:
-        print(f"usage     {json.dumps(record.usage)}")
-    if record.error:
-        print(f"error     {json.dumps(record.error)}")
-    if record.tool_calls:
-        print(f"tools     {json.dumps(record.tool_calls)}")
-    print(
-        f"content   {record.content!r}"
-        if len(record.content) < 200
-        else f"content   {record.content[:200]!r}… ({len(record.content)} chars)"
-    )
-
-
 # -- parser -----------------------------------------------------------------------------
 
 
@@ -256,13 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="chatstream",
         description="Chat-completion jobs in, live token streams out (Redis Streams).",
     )
+    parser.add_argument("--version", action="version", version=f"chatstream {package_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
-    _add_worker(sub)
-    _add_enqueue(sub)
-    _add_job_commands(sub)
-    _add_stats(sub)
-    _add_dead(sub)
-    _add_mock_and_demo(sub)
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
 
 
@@ -325,6 +320,18 @@ def _add_job_commands(sub: Any) -> None:
     p.set_defaults(command=cancel_command)
 
 
+def _add_jobs(sub: Any) -> None:
+    p = sub.add_parser("jobs", help="list jobs, newest first (from the jobs index)")
+    p.add_argument("--status", choices=[status.value for status in JobStatus])
+    p.add_argument("--upstream", help="only jobs for this upstream")
+    p.add_argument("--limit", type=positive_int, default=20, help="list at most this many")
+    p.add_argument(
+        "--before", type=float, help="only jobs enqueued before this time (Unix seconds)"
+    )
+    p.add_argument("--json", action="store_true", help="JSON lines")
+    p.set_defaults(command=jobs_command)
+
+
 def _add_stats(sub: Any) -> None:
     p = sub.add_parser("stats", help="queue length, pending, live workers, dead letters")
     p.add_argument("--json", action="store_true", help="one JSON object")
@@ -349,6 +356,16 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--rate", type=float, default=40.0)
     p.set_defaults(command=demo_command)
 
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [
+    _add_worker,
+    _add_enqueue,
+    _add_job_commands,
+    _add_jobs,
+    _add_stats,
+    _add_dead,
+    _add_mock_and_demo,
+]
 
 if __name__ == "__main__":
     main()

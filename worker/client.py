@@ -2,7 +2,7 @@
 
 ``Client`` is async and takes the application's own ``redis.asyncio.Redis``;
 ``SyncClient`` offers the same calls to synchronous code (it runs them on a private event
-loop with its own connection).
+loop with its own connection); tests/test_client.py checks that no call is missing.
 """
 
 from __future__ import annotations
@@ -11,32 +11,38 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.backoff import EqualJitterBackoff
+from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.events import StreamEvent
 from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import ChatRequest, JobSpec
 from worker import speedups
-from worker.errors import InvalidJobError, JobNotFoundError
+from worker.errors import InvalidJobError, JobNotFoundError, RedisUnavailableError
+from worker.jobs import JobIndex, JobPage, Progress, read_progress
 from worker.keys import Keys
 from worker.queue import DeadLetter, Queue
 from worker.records import Records, as_text, dumps
 from worker.settings import Settings
+from worker.tasks import cancel_and_wait
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
 # a job step waits this long for a free pooled connection before it counts as a Redis error
 POOL_WAIT_SECONDS = 30
 REDIS_RETRIES = 10
+# the first PING of a command-line tool or worker: no retries, an answer within this long
+REACH_SECONDS = 5.0
+T = TypeVar("T")
 
 
 class Client:
@@ -48,11 +54,13 @@ class Client:
         retention_seconds: int = 86_400,
         max_request_bytes: int = 1_048_576,
         upstreams: list[str] | None = None,
+        jobs_index_max: int = 1_000_000,
     ) -> None:
         self.redis = redis
         self.keys = Keys(prefix)
         self.records = Records(redis, self.keys, retention_seconds)
         self.queue = Queue(redis, self.keys, "client")
+        self.index = JobIndex(redis, self.keys, retention_seconds, jobs_index_max)
         self.max_request_bytes = max_request_bytes
         self.upstreams = upstreams
 
@@ -64,6 +72,7 @@ class Client:
             retention_seconds=settings.retention_seconds,
             max_request_bytes=settings.max_request_bytes,
             upstreams=settings.upstream_names(),
+            jobs_index_max=settings.jobs_index_max,
         )
 
     async def enqueue(
@@ -80,8 +89,10 @@ class Client:
             raise InvalidJobError(
                 f"request is larger than the limit of {self.max_request_bytes} bytes"
             )
-        state = await self.records.create(spec.id, _record_fields(spec, request_json))
+        fields = _record_fields(spec, request_json)
+        state = await self.records.create(spec.id, fields)
         if state != "exists":
+            await self.index.add(spec.id, float(fields["created_at"]))
             entry_id = await self.queue.add(spec.id)
             await self.records.mark_queued(spec.id, entry_id)
         return spec.id
@@ -106,10 +117,17 @@ class Client:
             raise InvalidJobError(f"invalid job: {problems}") from None
 
     async def get(self, job_id: str) -> JobRecord:
+        """The job's record; InvalidJobError when another producer wrote a malformed one."""
         raw = await self.records.fetch(job_id)
         if not raw:
             raise JobNotFoundError(f"no job {job_id!r} (never enqueued, or expired)")
-        return JobRecord.from_hash(_readable(raw))
+        raw.setdefault("id", job_id)  # the key names the job; a producer may omit the field
+        try:
+            return JobRecord.from_hash(_readable(raw))
+        except (ValidationError, ValueError, RecursionError) as exc:
+            raise InvalidJobError(
+                f"job {job_id!r}: malformed record ({_problem(exc)}); see docs/producers.md"
+            ) from None
 
     async def events(
         self, job_id: str, after: str = "0-0", block_ms: int = READ_BLOCK_MS
@@ -147,14 +165,16 @@ class Client:
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobRecord:
         """Wait for the terminal state and return the record (TimeoutError after ``timeout``)."""
-        async with asyncio.timeout(timeout):
-            record = await self.get(job_id)
-            if record.terminal:
-                return record
-            async for event in self.events(job_id):
-                if event.terminal:
-                    break
-            return await self.get(job_id)
+        return await within(self._result(job_id), timeout)
+
+    async def _result(self, job_id: str) -> JobRecord:
+        record = await self.get(job_id)
+        if record.terminal:
+            return record
+        async for event in self.events(job_id):
+            if event.terminal:
+                break
+        return await self.get(job_id)
 
     async def cancel(self, job_id: str) -> JobStatus | str:
         """Cancel a queued or running job.
@@ -185,10 +205,35 @@ class Client:
             raise JobNotFoundError(f"no job {job_id!r} (never enqueued, or expired)")
         if state not in ("requeued", "unqueued"):
             raise InvalidJobError(f"job {job_id!r} is {state}; only failed jobs are requeued")
+        await self.index.add(job_id)  # listed again, as of now
         entry_id = await self.queue.add(job_id)
         await self.records.mark_queued(job_id, entry_id)
         await self.queue.forget_dead(job_id)
         return "requeued"
+
+    async def jobs(
+        self,
+        *,
+        status: JobStatus | str | None = None,
+        upstream: str | None = None,
+        limit: int = 20,
+        before: float | None = None,
+    ) -> JobPage:
+        """The newest jobs (enqueued before ``before``), optionally only those with this
+        status or upstream; examines at most the newest 10,000 entries of the index.
+
+        Only jobs enqueued through ``enqueue`` (or a producer following docs/producers.md)
+        within the retention period are listed.
+        """
+        wanted = None if status is None else JobStatus(status).value
+        return await self.index.page(status=wanted, upstream=upstream, limit=limit, before=before)
+
+    async def progress(self, job_id: str) -> Progress | None:
+        """How far a running job got (entries, characters, elapsed); None unless running."""
+        record = await self.get(job_id)
+        if record.status is not JobStatus.RUNNING:
+            return None
+        return await read_progress(self.redis, self.keys, job_id, record.attempt, record.started_at)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -204,6 +249,59 @@ def _readable(raw: dict[str, str]) -> dict[str, str]:
     if isinstance(request, dict):
         return raw
     return {name: value for name, value in raw.items() if name != "request"}
+
+
+async def within(work: Coroutine[Any, Any, T], timeout: float | None) -> T:
+    """``await work``, or TimeoutError once ``timeout`` seconds passed.
+
+    Not ``asyncio.timeout``: redis-py can swallow the one cancellation it sends (see
+    ``worker.tasks.cancel_and_wait``), and a blocking read then runs on past the deadline
+    (``enqueue --follow --timeout 1`` streamed a 4 s reply to its end on a loaded
+    machine). The work runs as a task that is cancelled until it stops.
+    """
+    if timeout is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():
+            await cancel_and_wait([cast("asyncio.Task[None]", task)])
+    if task not in done:
+        raise TimeoutError
+    return task.result()
+
+
+def _problem(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        where = ".".join(str(part) for part in err["loc"]) or "record"
+        return f"{where}: {err['msg']}"
+    return f"a JSON field does not parse: {str(exc)[:100]}"
+
+
+async def ensure_reachable(redis: Redis, where: str, timeout: float = REACH_SECONDS) -> None:
+    """One PING, not retried, answered within ``timeout``, or RedisUnavailableError.
+
+    A command-line tool (or a worker starting) should say at once that Redis is down or
+    that something else listens on the port, rather than ride out a restart for seconds
+    (which the client's retries do for every later command).
+    """
+    retry = redis.get_retry()
+    redis.set_retry(Retry(NoBackoff(), 0))
+    try:
+        async with asyncio.timeout(timeout):
+            await redis.ping()
+    except TimeoutError:
+        raise RedisUnavailableError(
+            f"no answer from Redis at {where} within {timeout:g}s (is it a Redis server?)"
+        ) from None
+    except (RedisError, OSError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise RedisUnavailableError(f"cannot reach Redis at {where}: {reason}") from None
+    finally:
+        if retry is not None:
+            redis.set_retry(retry)
 
 
 def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
@@ -275,6 +373,27 @@ class SyncClient:
 
     def cancel(self, job_id: str) -> JobStatus | str:
         return self._runner.run(self._client.cancel(job_id))
+
+    def dead_letters(self, count: int = 1000) -> list[DeadLetter]:
+        return self._runner.run(self._client.dead_letters(count))
+
+    def requeue(self, job_id: str) -> str:
+        return self._runner.run(self._client.requeue(job_id))
+
+    def jobs(
+        self,
+        *,
+        status: JobStatus | str | None = None,
+        upstream: str | None = None,
+        limit: int = 20,
+        before: float | None = None,
+    ) -> JobPage:
+        return self._runner.run(
+            self._client.jobs(status=status, upstream=upstream, limit=limit, before=before)
+        )
+
+    def progress(self, job_id: str) -> Progress | None:
+        return self._runner.run(self._client.progress(job_id))
 
     def events(self, job_id: str, after: str = "0-0") -> Iterator[StreamEvent]:
         stream = self._client.events(job_id, after)

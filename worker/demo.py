@@ -13,9 +13,10 @@ from contextlib import AsyncExitStack
 
 from redis.asyncio import Redis
 
-from worker.cli import print_event, print_record
-from worker.client import Client, redis_from_settings
+from worker.client import Client, ensure_reachable, redis_from_settings
+from worker.output import print_event, print_record
 from worker.runner import Worker
+from worker.runtime import redacted_url
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
 
@@ -30,6 +31,8 @@ DEMO_REPLY = (
 async def run_demo(settings: Settings, message: str, *, tokens: int, rate: float) -> int:
     async with AsyncExitStack() as stack:
         redis = await stack.enter_async_context(_redis(settings))
+        if "redis_url" in settings.model_fields_set:  # a real one: is it there?
+            await ensure_reachable(redis, redacted_url(settings.redis_url))
         settings = await _upstream(stack, settings, tokens, rate)
         worker = Worker(settings, redis)
         await worker.startup()

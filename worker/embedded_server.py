@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from worker.errors import ConfigError
+
 
 class EmbeddedServer(uvicorn.Server):
     """uvicorn in a running loop: leaves the process's signals alone, stops on request.
@@ -64,15 +66,23 @@ class EmbeddedServer(uvicorn.Server):
         return task
 
 
-def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
+def bind(host: str, port: int, backlog: int = 128, *, what: str = "a server") -> socket.socket:
     """A listening socket made with IPPROTO_TCP, so asyncio sets TCP_NODELAY on accepted ones
-    (``socket.create_server`` leaves it off: 40 ms Nagle stalls)."""
+    (``socket.create_server`` leaves it off: 40 ms Nagle stalls).
+
+    A port in use (or an address this host does not have) is a ConfigError naming ``what``
+    was to listen there.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        reason = (exc.strerror or str(exc)).lower()
+        raise ConfigError(f"{what} cannot listen on {host}:{port}: {reason}") from exc
     except BaseException:
         sock.close()
         raise

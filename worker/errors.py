@@ -8,6 +8,7 @@ talks to them, with ``raise ... from exc``; everything above sees only these::
     ├── InvalidJobError             a job payload or queue entry cannot be run (terminal)
     │   └── UnknownUpstreamError    the job names an upstream the settings do not define
     ├── JobNotFoundError            no record for that job id (expired or never enqueued)
+    ├── RedisUnavailableError       Redis did not answer at start (down, or not Redis)
     ├── StaleAttemptError           a fenced write lost: a newer attempt owns the job
     ├── ProtocolError               the upstream broke the SSE / chunk protocol (terminal)
     │   └── EventTooLargeError      one SSE event exceeded the configured size limit
@@ -68,6 +69,10 @@ class JobNotFoundError(ChatstreamError):
     code = "job_not_found"
 
 
+class RedisUnavailableError(ChatstreamError):
+    code = "redis_unavailable"
+
+
 class StaleAttemptError(ChatstreamError):
     code = "stale_attempt"
 
@@ -81,11 +86,22 @@ class EventTooLargeError(ProtocolError):
 
 
 class UpstreamError(ChatstreamError):
+    """``status``: the HTTP status, when there was one; ``upstream``: the upstream's name
+    (for metrics and logs; not stored in the record, whose job names it already)."""
+
     code = "upstream"
 
-    def __init__(self, message: str, *, status: int | None = None, detail: Any = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        detail: Any = None,
+        upstream: str | None = None,
+    ) -> None:
         super().__init__(message, detail=detail)
         self.status = status
+        self.upstream = upstream
 
     def to_record(self) -> dict[str, Any]:
         record = super().to_record()
@@ -104,8 +120,9 @@ class RetryableUpstreamError(UpstreamError):
         status: int | None = None,
         detail: Any = None,
         retry_after: float | None = None,
+        upstream: str | None = None,
     ) -> None:
-        super().__init__(message, status=status, detail=detail)
+        super().__init__(message, status=status, detail=detail, upstream=upstream)
         self.retry_after = retry_after
 
 

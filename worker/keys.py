@@ -32,6 +32,11 @@ class Keys:
         """Sorted set: worker name -> last heartbeat (Unix seconds)."""
         return f"{self.prefix}:workers"
 
+    @property
+    def jobs(self) -> str:
+        """Sorted set: job id -> enqueue time (Unix seconds); the index ``jobs`` lists."""
+        return f"{self.prefix}:jobs"
+
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{{{job_id}}}"
 

@@ -7,7 +7,9 @@ secrets the settings know (API keys, the Redis password) should one ever reach a
 or a traceback. Both filters sit on the handler, so they cover third-party loggers too.
 
 JSON lines have ``ts``, ``level``, ``logger``, ``message``, then ``worker``, ``job``,
-``attempt`` when known and ``exc`` (the formatted traceback) when there is one.
+``attempt`` when known, the line's own structured ``fields`` (``extra={"fields": {...}}``:
+the start-up configuration, a failed job's error) and ``exc`` (the formatted traceback)
+when there is one.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from worker.settings import Settings
@@ -42,6 +46,18 @@ def bind(*, worker: str | None = None, job: str | None = None) -> None:
 
 def set_attempt(attempt: int) -> None:
     _attempt.set(attempt)
+
+
+@contextmanager
+def job_context(job: str | None, attempt: int | None = None) -> Iterator[None]:
+    """Tag the lines logged inside the block with a job (and attempt) that is not the
+    current task's: a background task logging about a job (a cancel, a lost lease)."""
+    job_token, attempt_token = _job.set(job), _attempt.set(attempt)
+    try:
+        yield
+    finally:
+        _job.reset(job_token)
+        _attempt.reset(attempt_token)
 
 
 def context() -> dict[str, str | int]:
@@ -74,6 +90,16 @@ class RedactFilter(logging.Filter):
                 text = text.replace(secret, MASK)
         return text
 
+    def redact_value(self, value: Any) -> Any:
+        """``value`` with every string in it (nested in dicts and lists too) redacted."""
+        if isinstance(value, str):
+            return self.redact(value)
+        if isinstance(value, dict):
+            return {key: self.redact_value(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self.redact_value(item) for item in value]
+        return value
+
     def filter(self, record: logging.LogRecord) -> bool:
         if not self.secrets:
             return True
@@ -84,6 +110,9 @@ class RedactFilter(logging.Filter):
         redacted = self.redact(message)
         if redacted != message:
             record.msg, record.args = redacted, None
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            record.fields = self.redact_value(fields)
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
@@ -142,6 +171,9 @@ class JsonFormatter(logging.Formatter):
             value = getattr(record, name, None)
             if value is not None:
                 line[name] = value
+        fields = getattr(record, "fields", None)  # logger.warning(..., extra={"fields": {}})
+        if isinstance(fields, dict):
+            line.update((k, v) for k, v in fields.items() if k not in line)
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:

@@ -17,9 +17,13 @@ from memory; in-flight is read from the runner at scrape time.
 Metrics (all prefixed ``chatstream_``): ``jobs_total{status}``, ``jobs_in_flight``,
 ``queue_depth``, ``queue_pending``, ``dead_letters``, ``queue_wait_seconds``,
 ``time_to_first_token_seconds``, ``deltas_per_second``, ``job_duration_seconds{status}``,
-``retries_total{stage}``, ``reclaims_total``, ``upstream_errors_total{code}``,
-``publish_seconds``, ``publish_batch_size``, ``event_loop_lag_seconds``; plus the
-standard ``process_*`` metrics.
+``retries_total{stage}``, ``reclaims_total``, ``upstream_errors_total{upstream,code,status}``,
+``tokens_total{upstream,model,kind}``, ``publish_seconds``, ``publish_batch_size``,
+``event_loop_lag_seconds``; plus the standard ``process_*`` metrics.
+
+Label values are bounded: ``upstream`` is a configured name (else ``other``), ``code`` one
+of the error codes, ``status`` an HTTP status (``none`` without one), ``model`` one of the
+first ``max_models`` model names a worker saw (later ones count as ``other``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from redis.exceptions import RedisError
 from schemas.jobs import TERMINAL
 from worker.errors import ChatstreamError, ProtocolError, UpstreamError
 from worker.keys import Keys
+from worker.runtime import redis_location
 from worker.stats import QueueCounts, queue_counts
 
 if TYPE_CHECKING:
@@ -116,11 +121,28 @@ class QueueGauges:
         ]
 
 
-class Metrics:
-    """The worker's metrics, in a registry of its own."""
+OTHER = "other"  # the label value of whatever lies beyond a label's bound
+MAX_MODEL_LABEL = 100  # characters of a model name kept as a label value
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+
+class Metrics:
+    """The worker's metrics, in a registry of its own.
+
+    ``upstreams``: the configured upstream names (any other name is labelled ``other``;
+    None: no bound, for tests). ``max_models``: distinct ``model`` label values kept.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        upstreams: Iterable[str] | None = None,
+        max_models: int = 50,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._upstreams = frozenset(upstreams) if upstreams is not None else None
+        self._models: set[str] = set()
+        self._max_models = max_models
         r = self.registry
         self.jobs = Counter(
             "chatstream_jobs", "Jobs that reached a final status", ["status"], registry=r
@@ -171,7 +193,17 @@ class Metrics:
             "chatstream_reclaims", "Queue entries taken over from dead workers", registry=r
         )
         self.upstream_errors = Counter(
-            "chatstream_upstream_errors", "Upstream failures, by error code", ["code"], registry=r
+            "chatstream_upstream_errors",
+            "Upstream failures, by upstream, error code and HTTP status (none without one)",
+            ["upstream", "code", "status"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "chatstream_tokens",
+            "Tokens in the usage the upstreams reported, by upstream, model and kind "
+            "(prompt or completion)",
+            ["upstream", "model", "kind"],
+            registry=r,
         )
         self.publish_seconds = Histogram(
             "chatstream_publish_seconds",
@@ -219,19 +251,46 @@ class Metrics:
         if count:
             self.reclaims.inc(count)
 
-    def upstream_error(self, exc: BaseException) -> None:
+    def upstream_error(self, exc: BaseException, upstream: str | None = None) -> None:
         """A failure that ended a try of the stream (after the upstream client's retries)."""
         if isinstance(exc, UpstreamError | ProtocolError):
-            self.upstream_errors.labels(exc.code).inc()
+            self.upstream_error_code(exc.code, upstream or _upstream_of(exc), _status_of(exc))
 
-    def upstream_error_code(self, code: str) -> None:
-        self.upstream_errors.labels(code).inc()
+    def upstream_error_code(
+        self, code: str, upstream: str | None, status: int | None = None
+    ) -> None:
+        labels = (self.upstream_label(upstream), code, "none" if status is None else str(status))
+        self.upstream_errors.labels(*labels).inc()
 
     def on_upstream_retry(self, exc: BaseException, wait: float) -> None:
         """``UpstreamClient(on_retry=...)``: a retry before the first byte."""
         self.retries.labels("upstream").inc()
         code = exc.code if isinstance(exc, ChatstreamError) else type(exc).__name__
-        self.upstream_errors.labels(code).inc()
+        self.upstream_error_code(code, _upstream_of(exc), _status_of(exc))
+
+    def job_usage(self, upstream: str, model: str | None, usage: Any) -> None:
+        """The tokens of a finished job's usage (prompt and completion), for cost."""
+        if not isinstance(usage, dict):
+            return
+        labels = (self.upstream_label(upstream), self.model_label(model))
+        for kind in ("prompt", "completion"):
+            count = usage.get(f"{kind}_tokens")
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                self.tokens.labels(*labels, kind).inc(count)
+
+    def upstream_label(self, name: str | None) -> str:
+        if not name:
+            return OTHER
+        return name if self._upstreams is None or name in self._upstreams else OTHER
+
+    def model_label(self, model: str | None) -> str:
+        """The model's name while fewer than ``max_models`` were seen, else ``other``."""
+        name = (model or "unknown")[:MAX_MODEL_LABEL]
+        if name not in self._models:
+            if len(self._models) >= self._max_models:
+                return OTHER
+            self._models.add(name)
+        return name
 
     def pipeline_retry(self) -> None:
         self.retries.labels("pipeline").inc()
@@ -267,7 +326,7 @@ class MetricsServer:
 
         from worker.embedded_server import EmbeddedServer, bind
 
-        sock = bind(host, port)
+        sock = bind(host, port, what="the metrics server (CHATSTREAM_METRICS_PORT)")
         config = uvicorn.Config(
             self, log_config=None, log_level="warning", access_log=False, lifespan="off"
         )
@@ -309,8 +368,14 @@ class MetricsServer:
         try:
             async with asyncio.timeout(PING_TIMEOUT):
                 await self.redis.ping()
-        except (RedisError, OSError, TimeoutError) as exc:
-            return f"redis unreachable: {type(exc).__name__}: {str(exc)[:200]}"
+        except TimeoutError:
+            where = redis_location(self.redis)
+            return f"redis at {where} did not answer PING within {PING_TIMEOUT:g}s"
+        except (RedisError, OSError) as exc:
+            reason = str(exc)[:200] or "no detail"
+            return (
+                f"redis at {redis_location(self.redis)} unreachable: {type(exc).__name__}: {reason}"
+            )
         return None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -327,6 +392,14 @@ class MetricsServer:
             await _send_json(send, 200 if reason is None else 503, body)
         else:
             await _send_json(send, 404, {"error": f"no route {path}"})
+
+
+def _upstream_of(exc: BaseException) -> str | None:
+    return exc.upstream if isinstance(exc, UpstreamError) else None
+
+
+def _status_of(exc: BaseException) -> int | None:
+    return exc.status if isinstance(exc, UpstreamError) else None
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:

@@ -779,7 +779,7 @@ async def serve_mock(
         app = MockUpstream(MockConfig(**config))
     elif config:
         raise TypeError("pass either app= or MockConfig fields, not both")
-    sock = bind(host, port, backlog=4096)
+    sock = bind(host, port, backlog=4096, what="the mock upstream")
     uv_config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
     )

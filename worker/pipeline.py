@@ -123,7 +123,7 @@ async def stream_with_retries(
             await stream_once(services, job, body, acc)
             return acc.finish(), None
         except ChatstreamError as exc:
-            services.metrics.upstream_error(exc)
+            services.metrics.upstream_error(exc, job.upstream)
             if not await _may_retry(services, job, exc, tries):
                 return acc.finish(), exc
             services.metrics.pipeline_retry()
@@ -215,10 +215,59 @@ async def write_terminal(
         return Outcome.STALE
     status = terminal.fields["status"]
     services.metrics.job_finished(status, job.timing)
+    if final is not None:
+        services.metrics.job_usage(job.upstream, final.model, final.usage)
     if error is None and "error" in terminal.fields:  # the upstream's mid-stream error chunk
-        services.metrics.upstream_error_code("upstream_stream_error")
-    log.debug("job %s attempt %d: %s", job.job_id, job.attempt, status)
+        services.metrics.upstream_error_code("upstream_stream_error", job.upstream)
+    if status == JobStatus.FAILED:
+        log_failure(job.job_id, job.attempt, job.upstream, terminal.event_data["error"])
+    else:
+        log.debug("job %s attempt %d: %s", job.job_id, job.attempt, status)
     return Outcome.FINISHED
+
+
+MAX_LOGGED_MESSAGE = 300
+
+
+def log_failure(job_id: str, attempt: int, upstream: str, error: dict[str, Any]) -> None:
+    """The one WARNING line of a job that ended ``failed``: what an operator alerts on.
+
+    ``job J attempt N failed: code=... upstream=... status=... error="..."
+    upstream_message="..."`` (values JSON-quoted, so the line stays one line); JSON logs
+    carry the same as fields. The handler masks configured secrets in both.
+    """
+    fields = {
+        "event": "job_failed",
+        "code": str(error.get("code", "error")),
+        "upstream": upstream or "-",
+        "status": error.get("status"),
+        "error": _capped(error.get("message")),
+        "upstream_message": _capped(_upstream_message(error.get("detail"))),
+    }
+    log.warning(
+        "job %s attempt %d failed: code=%s upstream=%s status=%s error=%s upstream_message=%s",
+        job_id,
+        attempt,
+        fields["code"],
+        fields["upstream"],
+        fields["status"] if fields["status"] is not None else "-",
+        dumps(fields["error"]),
+        dumps(fields["upstream_message"]),
+        extra={"fields": fields},
+    )
+
+
+def _upstream_message(detail: Any) -> str:
+    """The upstream's own words: its error object's ``message``, else the detail itself."""
+    if isinstance(detail, dict):
+        message = detail.get("message")
+        return message if isinstance(message, str) else dumps(detail)
+    return "" if detail is None else str(detail)
+
+
+def _capped(value: Any) -> str:
+    text = "" if value is None else str(value)
+    return text if len(text) <= MAX_LOGGED_MESSAGE else text[:MAX_LOGGED_MESSAGE] + "…"
 
 
 def build_terminal(

@@ -39,7 +39,23 @@ return 'created'
 START = """
 local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'request', 'upstream',
   'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested')
-if not cur[1] then return {'missing'} end
+if not cur[1] and redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+local known = {queued=true, running=true, succeeded=true, failed=true, cancelled=true}
+if not known[cur[1] or ''] or not tonumber(cur[2] or '0') then
+  -- written by another producer, not by the enqueue contract: fail it, saying why
+  local problem = cur[1] and ('status ' .. string.sub(cur[1], 1, 40) .. ' is not one of ' ..
+    'queued, running, succeeded, failed, cancelled') or 'no status field'
+  if known[cur[1] or ''] then problem = 'attempt is not a number' end
+  local err = cjson.encode({code='invalid_job',
+    message='malformed record: ' .. problem .. ' (see docs/producers.md)'})
+  local attempt = tonumber(cur[2] or '0') or 0
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'attempt', attempt, 'error', err,
+    'finished_at', ARGV[2])
+  redis.call('XADD', KEYS[2], '*', 'type', 'error', 'attempt', tostring(attempt),
+    'data', cjson.encode({error=cjson.decode(err)}))
+  redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
+  return {'invalid', attempt, '', cur[5] or 'default', err}
+end
 local attempt = tonumber(cur[2] or '0')
 if cur[1] == 'running' and cur[9] == ARGV[6] then
   return {'started', attempt, cur[4] or '', cur[5] or 'default'}
@@ -68,7 +84,7 @@ if used > tonumber(ARGV[3]) then
   redis.call('XADD', KEYS[2], '*', 'type', 'error', 'attempt', tostring(attempt - 1),
     'data', cjson.encode({error=cjson.decode(err)}))
   redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
-  return {'exhausted', attempt - 1, '1'}
+  return {'exhausted', attempt - 1, '1', cur[5] or 'default', err}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'attempt', attempt, 'worker', ARGV[1],
   'started_at', ARGV[2], 'seq', 0, 'start_token', ARGV[6])
@@ -167,11 +183,12 @@ def dumps(value: Any) -> str:
 class Started:
     """The outcome of trying to start an attempt of a job."""
 
-    state: str  # started | missing | terminal | busy | exhausted
+    state: str  # started | missing | terminal | busy | exhausted | invalid
     attempt: int = 0
     request: str = ""
     upstream: str = "default"
     dead_pending: bool = False  # failed for exhausted attempts, not yet on the dead stream
+    error: str = ""  # exhausted | invalid: the error (JSON) the job failed with
 
 
 class Records:
@@ -233,6 +250,9 @@ class Records:
             return Started(state, int(result[1]), as_text(result[2]), as_text(result[3]))
         attempt = int(result[1]) if len(result) > 1 else 0
         dead_pending = len(result) > 2 and as_text(result[2]) == "1"
+        if len(result) > 4:  # failed here: exhausted | invalid
+            upstream, error = as_text(result[3]), as_text(result[4])
+            return Started(state, attempt, "", upstream, dead_pending, error)
         return Started(state, attempt, dead_pending=dead_pending)
 
     async def release(self, job_id: str, attempt: int) -> bool:

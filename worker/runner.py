@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import os
 import secrets
@@ -26,13 +27,14 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas.jobs import TERMINAL
-from worker import logs, speedups
+from worker import logs
 from worker.keys import Keys
 from worker.metrics import Metrics, MetricsServer
-from worker.pipeline import JobRun, Outcome, Services, run_job
+from worker.pipeline import JobRun, Outcome, Services, log_failure, run_job
 from worker.publisher import Publisher
 from worker.queue import Entry, Queue
 from worker.records import Records, Started, as_text
+from worker.runtime import default_upstream_unset, startup_summary
 from worker.settings import Settings
 from worker.tasks import Backoff, cancel_and_wait
 from worker.upstream import UpstreamClient
@@ -87,7 +89,9 @@ class Worker:
         self.keys = Keys(settings.prefix)
         self.records = Records(redis, self.keys, settings.retention_seconds)
         self.queue = Queue(redis, self.keys, self.name)
-        self.metrics = Metrics()
+        self.metrics = Metrics(
+            upstreams=settings.upstream_names(), max_models=settings.metrics_max_models
+        )
         self.metrics.in_flight.set_function(lambda: len(self.running))
         self.http: MetricsServer | None = None  # /metrics, /healthz, /readyz
         self.publisher = Publisher(
@@ -121,12 +125,19 @@ class Worker:
             asyncio.create_task(self._maintain(), name="chatstream-maintain"),
             asyncio.create_task(self._listen_for_cancels(), name="chatstream-cancels"),
         ]
-        log.info(
-            "worker %s started (concurrency %d; %s)",
-            self.name,
-            self.settings.concurrency,
-            speedups.in_use(self.redis),
-        )
+        self._log_configuration()
+
+    def _log_configuration(self) -> None:
+        """One INFO line: what this worker runs with (no secrets); a WARNING when nobody
+        configured the upstream ``default`` (its jobs would go to the built-in URL)."""
+        message, fields = startup_summary(self.settings, self.redis, self.name)
+        log.info("%s", message, extra={"fields": fields})
+        if default_upstream_unset(self.settings):
+            log.warning(
+                "CHATSTREAM_UPSTREAM_URL is not set: jobs for the upstream 'default' go to "
+                "the built-in %s (where `chatstream mock-upstream` listens)",
+                self.settings.upstream_url,
+            )
 
     async def consume(self) -> None:
         """Read and launch jobs until asked to stop."""
@@ -254,8 +265,9 @@ class Worker:
             log.warning(
                 "job %s runs under another queue entry; dropping %s", job_id, entry.entry_id
             )
-        elif started.state == "exhausted":
-            log.error("job %s failed: attempts exhausted after attempt %d", job_id, started.attempt)
+        elif started.state in ("exhausted", "invalid"):  # failed by the start script
+            logs.set_attempt(started.attempt)
+            log_failure(job_id, started.attempt, started.upstream, json.loads(started.error))
             self.metrics.job_failed_unstarted()
         if started.dead_pending:
             await self._dead_letter(job_id, started.attempt)
@@ -339,7 +351,9 @@ class Worker:
         for entry_id in lost:
             run = self.running.get(entry_id)
             if run is not None:
-                log.warning("job %s: lease lost to another worker; stopping", run.entry.job_id)
+                attempt = run.job.attempt if run.job is not None else None
+                with logs.job_context(run.entry.job_id, attempt):
+                    log.warning("job %s: lease lost to another worker; stopping", run.entry.job_id)
                 run.lost = True
                 if run.job is not None:
                     run.job.release_requested = True
@@ -353,11 +367,12 @@ class Worker:
             return
         for entry in await self.queue.stranded(self._lease_ms // 2):
             if entry.entry_id not in self.running:
-                log.warning(
-                    "queue entry %s (job %s) was never seen; running it now",
-                    entry.entry_id,
-                    entry.job_id,
-                )
+                with logs.job_context(entry.job_id):
+                    log.warning(
+                        "queue entry %s (job %s) was never seen; running it now",
+                        entry.entry_id,
+                        entry.job_id,
+                    )
                 self._launch(entry)
 
     async def _prune_consumers(self) -> None:
@@ -405,7 +420,8 @@ class Worker:
 
     def _cancel_run(self, run: Running) -> None:
         if run.job is not None and not run.job.cancel_requested:
-            log.info("job %s: cancel requested; closing the upstream", run.job.job_id)
+            with logs.job_context(run.job.job_id, run.job.attempt):
+                log.info("job %s: cancel requested; closing the upstream", run.job.job_id)
             run.job.cancel_requested = True
             run.task.cancel()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from worker.errors import ConfigError, UnknownUpstreamError
 
@@ -76,6 +76,13 @@ class Settings(BaseSettings):
         86_400,
         ge=1,
         description="TTL of job records and events streams, counted from the last state change.",
+    )
+    jobs_index_max: int = Field(
+        1_000_000,
+        ge=0,
+        le=100_000_000,
+        description="Most jobs the `<prefix>:jobs` index keeps for `chatstream jobs` (the "
+        "newest; older than the retention are dropped too; about 140 bytes each); 0: no index.",
     )
     redis_max_connections: int = Field(
         128,
@@ -170,6 +177,13 @@ class Settings(BaseSettings):
         description="Redis reply parser: `auto` uses hiredis when it is installed "
         "(`chatstream[fast]`), else redis-py's pure-Python one.",
     )
+    metrics_max_models: int = Field(
+        50,
+        ge=1,
+        le=10_000,
+        description="Distinct `model` label values of the token counters per worker process "
+        "(a bound on metric cardinality); later models are counted as `other`.",
+    )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level."
@@ -196,12 +210,27 @@ class Settings(BaseSettings):
 
 
 def load_settings(**overrides: object) -> Settings:
-    """Settings from the environment, or one ConfigError naming every invalid field."""
+    """Settings from the environment, or one ConfigError naming every invalid variable."""
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        problems = "; ".join(
-            f"CHATSTREAM_{'_'.join(str(p) for p in err['loc']).upper() or 'SETTINGS'}: {err['msg']}"
-            for err in exc.errors()
-        )
+        problems = "; ".join(f"{variable_name(err['loc'])}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from None
+    except SettingsError as exc:  # a value that is not JSON where JSON is expected
+        raise ConfigError(f"invalid settings: {_unparsable(exc)}") from None
+
+
+def variable_name(loc: tuple[int | str, ...]) -> str:
+    """The variable that sets ``loc``: ``CHATSTREAM_UPSTREAMS__LOCAL__URL`` for a nested
+    key (``__`` is the nesting delimiter), ``CHATSTREAM_SETTINGS`` for the whole."""
+    return "CHATSTREAM_" + ("__".join(str(part) for part in loc).upper() or "SETTINGS")
+
+
+def _unparsable(exc: SettingsError) -> str:
+    """``CHATSTREAM_UPSTREAMS: not valid JSON (Expecting value: ...)`` from pydantic-settings'
+    ``error parsing value for field "upstreams" from source "EnvSettingsSource"``."""
+    field, _, rest = str(exc).partition('field "')[2].partition('"')
+    where = " (in .env)" if "DotEnv" in rest else ""
+    cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+    name = variable_name((field,)) if field else "a setting"
+    return f"{name}{where}: not valid JSON{cause}"

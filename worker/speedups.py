@@ -5,33 +5,21 @@ extras): uvloop is an event loop on libuv, hiredis parses Redis replies in C. Wi
 them the worker runs on asyncio and redis-py's pure-Python parser, the same code either
 way. ``CHATSTREAM_EVENT_LOOP`` / ``CHATSTREAM_REDIS_PARSER`` (``auto``, the default, or
 one of the two) force a choice; forcing one that is not installed is a configuration
-error. :func:`in_use` says what the running process actually uses; the worker logs it
-at start-up.
+error. ``worker.runtime.runtime_choices`` says what a running process actually uses; the
+worker logs it at start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any, TypeVar
-
-from redis.asyncio import Redis
 
 from worker.errors import ConfigError
 from worker.settings import Settings
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Speedups:
-    loop: str  # "uvloop" | "asyncio"
-    redis_parser: str  # "hiredis" | "python"
-
-    def __str__(self) -> str:
-        return f"event loop {self.loop}, Redis parser {self.redis_parser}"
 
 
 def uvloop_installed() -> bool:
@@ -88,25 +76,3 @@ def parser_class(settings: Settings) -> type[Any]:
     from redis._parsers import _AsyncHiredisParser, _AsyncRESP3Parser
 
     return _AsyncHiredisParser if chosen_parser(settings) == "hiredis" else _AsyncRESP3Parser
-
-
-def in_use(redis: Redis | None = None) -> Speedups:
-    """What this process runs on: the running loop, and ``redis``'s parser (or the
-    default redis-py picks)."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    loop = (
-        "uvloop"
-        if running is not None and type(running).__module__.startswith("uvloop")
-        else "asyncio"
-    )
-    parser: Any = None
-    if redis is not None:
-        parser = redis.connection_pool.connection_kwargs.get("parser_class")
-    if parser is None:
-        from redis.asyncio.connection import DefaultParser
-
-        parser = DefaultParser
-    return Speedups(loop, "hiredis" if "Hiredis" in parser.__name__ else "python")

@@ -17,6 +17,8 @@ import asyncio
 import json
 import logging
 import math
+import socket
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -167,7 +169,7 @@ class UpstreamClient:
     async def _attempt(self, name: str, target: Upstream, request: httpx.Request) -> _Opened:
         """One try: send, accept status and content type, wait for the first body byte."""
         deadline = self._settings.first_byte_timeout
-        with _translate_httpx_errors(name, streaming=False, deadline=deadline):
+        with _translate_httpx_errors(name, request.url, streaming=False, deadline=deadline):
             async with asyncio.timeout(deadline):
                 response = await self._http.send(request, stream=True)
                 try:
@@ -183,7 +185,10 @@ class UpstreamClient:
         """The body after the first byte, with the idle timeout and no retries."""
         yield opened.first
         # httpx's read timeout (= idle_timeout) bounds each gap: no timer per chunk here
-        with _translate_httpx_errors(name, streaming=True, deadline=self._settings.idle_timeout):
+        url = opened.response.request.url
+        with _translate_httpx_errors(
+            name, url, streaming=True, deadline=self._settings.idle_timeout
+        ):
             async for chunk in opened.chunks:
                 if chunk:
                     yield chunk
@@ -279,27 +284,102 @@ def _request_headers(target: Upstream) -> dict[str, str]:
 
 
 @contextmanager
-def _translate_httpx_errors(name: str, *, streaming: bool, deadline: float) -> Iterator[None]:
+def _translate_httpx_errors(
+    name: str, url: httpx.URL, *, streaming: bool, deadline: float
+) -> Iterator[None]:
     """httpx (and our own deadline's ``TimeoutError``) -> the chatstream tree, once."""
     try:
         yield
     except (TimeoutError, httpx.ReadTimeout) as exc:
         reason = f"no data for {deadline:g}s" if streaming else f"no first byte in {deadline:g}s"
-        raise UpstreamTimeoutError(f"upstream {name!r}: {reason}") from exc
+        raise UpstreamTimeoutError(f"upstream {name!r}: {reason}", upstream=name) from exc
+    except httpx.ConnectTimeout as exc:
+        raise UpstreamTimeoutError(
+            f"upstream {name!r}: connecting to {_address(url)} timed out", upstream=name
+        ) from exc
     except httpx.TimeoutException as exc:
-        raise UpstreamTimeoutError(f"upstream {name!r}: {type(exc).__name__}") from exc
+        raise UpstreamTimeoutError(
+            f"upstream {name!r}: {type(exc).__name__}", upstream=name
+        ) from exc
     except (httpx.UnsupportedProtocol, httpx.LocalProtocolError) as exc:
         raise TerminalUpstreamError(
-            f"upstream {name!r}: request rejected by httpx ({type(exc).__name__})"
+            f"upstream {name!r}: request rejected by httpx ({type(exc).__name__})", upstream=name
         ) from exc
     except httpx.TransportError as exc:
         if streaming:
-            raise RetryableUpstreamError(f"upstream {name!r} disconnected mid-stream") from exc
-        raise RetryableUpstreamError(
-            f"upstream {name!r}: connection failed before the first byte ({type(exc).__name__})"
-        ) from exc
+            message = f"upstream {name!r} disconnected mid-stream"
+        else:
+            message = f"upstream {name!r}: {connect_failure(exc, url)}"
+        raise RetryableUpstreamError(message, upstream=name) from exc
     except httpx.DecodingError as exc:
         raise ProtocolError(f"upstream {name!r}: undecodable response body") from exc
+
+
+def _address(url: httpx.URL) -> str:
+    port = url.port or (443 if url.scheme == "https" else 80)
+    host = f"[{url.host}]" if ":" in url.host else url.host
+    return f"{host}:{port}"
+
+
+def connect_failure(exc: httpx.TransportError, url: httpx.URL) -> str:
+    """Why a request failed before any response, told apart, with the host and port: the
+    name does not resolve, nothing listens, TLS fails (the server does not speak it, or
+    its certificate is not trusted), or the server hung up or answered something else
+    than HTTP. The causes are found in the exception chain (httpx -> httpcore -> the
+    socket or ssl error)."""
+    address = _address(url)
+    cause = _root_cause(exc)
+    if isinstance(exc, httpx.ConnectError):
+        return _connect_error(cause, url, address)
+    if isinstance(exc, httpx.RemoteProtocolError):
+        hint = " (a TLS port reached with http://?)" if url.scheme == "http" else ""
+        return f"no HTTP response from {address} ({exc}){hint}"
+    reason = _reason(cause, exc) if cause is not exc else type(exc).__name__
+    return f"{address} dropped the connection before the first byte ({reason})"
+
+
+def _connect_error(cause: BaseException, url: httpx.URL, address: str) -> str:
+    if isinstance(cause, socket.gaierror):
+        return f"cannot resolve host {url.host!r} (DNS: {cause.strerror or cause})"
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f"TLS certificate of {address} not trusted ({cause.verify_message})"
+    if isinstance(cause, ssl.SSLError):
+        hint = " (the server does not speak TLS: use http://?)" if _not_tls(cause) else ""
+        return f"TLS handshake with {address} failed ({cause.reason or cause}){hint}"
+    if isinstance(cause, ConnectionRefusedError):
+        return f"connection refused by {address} (nothing listens there)"
+    return f"cannot connect to {address} ({_reason(cause, cause)})"
+
+
+def _reason(cause: BaseException, fallback: BaseException) -> str:
+    """``connection reset by peer``: the socket error's text, else the exception's name."""
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror.lower()
+    return str(cause) or type(fallback).__name__
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost socket/ssl error of the chain. A link is the cause, the context, or
+    the exception an httpcore error wraps as its argument (httpcore's pool re-raises
+    ``from None``, which cuts the chain but keeps the argument)."""
+    seen: set[int] = set()
+    found: BaseException = exc
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            found = current
+        current = current.__cause__ or current.__context__ or _wrapped(current)
+    return found
+
+
+def _wrapped(exc: BaseException) -> BaseException | None:
+    inner = exc.args[0] if exc.args else None
+    return inner if isinstance(inner, BaseException) else None
+
+
+def _not_tls(exc: ssl.SSLError) -> bool:
+    return exc.reason in {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}
 
 
 async def _check_response(name: str, target: Upstream, response: httpx.Response) -> None:
@@ -315,6 +395,7 @@ async def _check_response(name: str, target: Upstream, response: httpx.Response)
             status=status,
             detail=detail,
             retry_after=retry_after_seconds(response.headers),
+            upstream=name,
         )
     if 200 <= status < 300:
         raise TerminalUpstreamError(
@@ -322,9 +403,10 @@ async def _check_response(name: str, target: Upstream, response: httpx.Response)
             " not text/event-stream",
             status=status,
             detail=detail,
+            upstream=name,
         )
     raise TerminalUpstreamError(
-        f"upstream {name!r} returned HTTP {status}", status=status, detail=detail
+        f"upstream {name!r} returned HTTP {status}", status=status, detail=detail, upstream=name
     )
 
 
@@ -361,7 +443,9 @@ async def _first_chunk(name: str, chunks: AsyncIterator[bytes]) -> bytes:
     async for chunk in chunks:
         if chunk:
             return chunk
-    raise RetryableUpstreamError(f"upstream {name!r} closed the stream before the first byte")
+    raise RetryableUpstreamError(
+        f"upstream {name!r} closed the stream before the first byte", upstream=name
+    )
 
 
 def retry_after_seconds(headers: httpx.Headers) -> float | None:

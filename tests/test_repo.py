@@ -1,0 +1,90 @@
+"""The repository's own promises: CI runs the README's test command; no import circles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("worker", "schemas")
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Nodes under ``if TYPE_CHECKING:`` (annotations only: not an import at run time)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for child in ast.walk(node))
+    return skipped
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """Product modules ``path`` imports anywhere (module level or inside a function)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = _type_checking_nodes(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found & modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts): path
+        for package in PACKAGES
+        for path in (ROOT / package).glob("*.py")
+    }
+    modules = set(paths)
+    return {name: imported_modules(path, modules) - {name} for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (as a path that returns to its start), or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for child in sorted(graph[node]):
+            if cycle := visit(child, [*path, node]):
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if cycle := visit(start, []):
+            return cycle
+    return None
+
+
+def test_product_modules_import_no_circle() -> None:
+    graph = import_graph()
+    assert "worker.output" in graph["worker.demo"]  # the graph sees real imports
+    assert "worker.runner" in graph["worker.cli"]  # including lazy ones inside functions
+    assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def test_find_cycle_finds_a_circle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    """The README opens with two commands; CI runs the second (the test suite) as written."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first_block = readme.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    assert commands[0].endswith("chatstream demo")
+    assert commands[1].endswith("-m pytest")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert commands[1] in ci
+    assert any("tests/test_repo.py" in line for line in ci)  # the comment that cites this test

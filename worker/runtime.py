@@ -1,0 +1,125 @@
+"""What a process runs with, said without secrets: the start-up line, Redis locations.
+
+``runtime_choices()`` is the one place that reports the event loop and the Redis reply
+parser in use (asyncio or uvloop; redis-py's Python parser or hiredis), so the start-up
+line says what a worker actually runs on. ``startup_summary()`` is that line: Redis
+(host, db, TLS; never the password), the key prefix, the upstreams by name and URL (never
+their keys or headers), concurrency, lease, event loop and parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+
+from worker.settings import DEFAULT_UPSTREAM, Settings
+
+SECRET_QUERY_PARAMS = frozenset({"password", "ssl_password"})
+
+
+def redacted_url(url: str) -> str:
+    """The URL without its passwords (in the user info or the query string)."""
+    scheme, sep, rest = url.partition("://")
+    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
+    netloc, tail = rest[: min(ends, default=len(rest))], rest[min(ends, default=len(rest)) :]
+    auth, at, host = netloc.rpartition("@")  # like urllib: the last "@" ends the user info
+    if at:
+        user = auth.split(":", 1)[0]
+        netloc = f"{user}{':***' if ':' in auth else ''}@{host}"
+    path, question, query = tail.partition("?")
+    if question:
+        params = [_redacted_param(param) for param in query.split("&")]
+        tail = f"{path}?{'&'.join(params)}"
+    return f"{scheme}{sep}{netloc}{tail}"
+
+
+def _redacted_param(param: str) -> str:
+    name, eq, _ = param.partition("=")
+    return f"{name}=***" if eq and name.lower() in SECRET_QUERY_PARAMS else param
+
+
+def redis_location(redis: Redis) -> str:
+    """``host:port/db`` (or the socket path) of a client, from its pool's settings."""
+    kwargs: dict[str, Any] = getattr(redis.connection_pool, "connection_kwargs", {})
+    db = kwargs.get("db", 0)
+    if "path" in kwargs:
+        return f"unix:{kwargs['path']}/{db}"
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeChoices:
+    event_loop: str  # "asyncio" or "uvloop" (the running loop's implementation)
+    redis_parser: str  # "hiredis", "python" (redis-py's own) or "fakeredis"
+
+
+def runtime_choices(redis: Redis) -> RuntimeChoices:
+    """The event loop this code runs on and the reply parser ``redis`` uses.
+
+    Call it inside the running loop. The parser is the connection class's ``parser_class``
+    (redis-py picks hiredis when it is installed, unless told otherwise).
+    """
+    loop_module = type(asyncio.get_running_loop()).__module__
+    event_loop = "asyncio" if loop_module.startswith("asyncio") else loop_module.split(".")[0]
+    return RuntimeChoices(event_loop, _parser_name(redis))
+
+
+def _parser_name(redis: Redis) -> str:
+    from redis.asyncio.connection import DefaultParser
+
+    pool = redis.connection_pool
+    if type(pool).__module__.startswith("fakeredis") or "fakeredis" in str(
+        getattr(pool, "connection_class", "")
+    ):
+        return "fakeredis"
+    parser = getattr(pool, "connection_kwargs", {}).get("parser_class", DefaultParser)
+    return "hiredis" if "hiredis" in parser.__name__.lower() else "python"
+
+
+def _redis_description(settings: Settings) -> str:
+    url = urlsplit(settings.redis_url)
+    if url.scheme == "unix":
+        return f"unix:{url.path}"
+    db = url.path.strip("/") or "0"
+    user = f"{url.username}@" if url.username else ""
+    tls = "on" if url.scheme == "rediss" else "off"
+    return f"{user}{url.hostname}:{url.port or 6379}/{db} tls={tls}"
+
+
+def upstream_urls(settings: Settings) -> dict[str, str]:
+    """Each configured upstream's base URL (passwords in a URL masked; keys never shown)."""
+    return {name: redacted_url(settings.upstream(name).url) for name in settings.upstream_names()}
+
+
+def default_upstream_unset(settings: Settings) -> bool:
+    """The upstream ``default`` is the settings' built-in URL: nobody configured it."""
+    return DEFAULT_UPSTREAM not in settings.upstreams and (
+        "upstream_url" not in settings.model_fields_set
+    )
+
+
+def startup_summary(settings: Settings, redis: Redis, worker: str) -> tuple[str, dict[str, Any]]:
+    """The start-up line and the same facts as fields (for JSON logs)."""
+    choices = runtime_choices(redis)
+    upstreams = upstream_urls(settings)
+    fields: dict[str, Any] = {
+        "redis": _redis_description(settings),
+        "prefix": settings.prefix,
+        "upstreams": upstreams,
+        "concurrency": settings.concurrency,
+        "lease_seconds": settings.lease_seconds,
+        "event_loop": choices.event_loop,
+        "redis_parser": choices.redis_parser,
+    }
+    shown = " ".join(f"{name}={url}" for name, url in upstreams.items())
+    message = (
+        f"worker {worker} started: redis {fields['redis']} prefix={settings.prefix} "
+        f"upstreams: {shown} concurrency={settings.concurrency} "
+        f"lease={settings.lease_seconds:g}s event_loop={choices.event_loop} "
+        f"redis_parser={choices.redis_parser}"
+    )
+    return message, fields
