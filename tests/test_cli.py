@@ -609,11 +609,11 @@ async def test_worker_exits_0_on_sigterm_after_finishing_its_job(cli: Cli, tmp_p
     assert "shutting down gracefully" in log_text
     redis_at = urlsplit(cli.env["CHATSTREAM_REDIS_URL"]).netloc
     upstream = cli.env["CHATSTREAM_UPSTREAM_URL"]
-    loop = "uvloop" if speedups.uvloop_installed() else "asyncio"
+    event_loop = "uvloop" if speedups.uvloop_installed() else "asyncio"
     parser = "hiredis" if speedups.hiredis_installed() else "python"
     assert (
         f" started: redis {redis_at}/0 tls=off prefix={cli.prefix} upstreams: default={upstream}"
-        f" concurrency=4 lease=30s event_loop={loop} redis_parser={parser}\n"
+        f" concurrency=4 lease=30s event_loop={event_loop} redis_parser={parser}\n"
     ) in log_text
 
 
