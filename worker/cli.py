@@ -200,6 +200,14 @@ async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def gateway_command(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.gateway import run_gateway
+
+    updates = {"gateway_host": args.host, "gateway_port": args.port}
+    settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
+    return await run_gateway(settings)
+
+
 async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     from worker.demo import run_demo
 
@@ -263,7 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stats(sub)
     _add_dead(sub)
     _add_mock_and_demo(sub)
+    _add_gateway(sub)
     return parser
+
+
+def _add_gateway(sub: Any) -> None:
+    p = sub.add_parser("gateway", help="serve the HTTP gateway (OpenAI-compatible, SSE)")
+    p.add_argument("--host", help="listen address (default: CHATSTREAM_GATEWAY_HOST)")
+    p.add_argument("--port", type=int, help="listen port (default: CHATSTREAM_GATEWAY_PORT)")
+    p.set_defaults(command=gateway_command)
 
 
 def _add_dead(sub: Any) -> None:

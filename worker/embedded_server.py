@@ -52,6 +52,7 @@ class EmbeddedServer(uvicorn.Server):
             task.cancel()
         for server in self.servers:
             await server.wait_closed()
+        await self.lifespan.shutdown()  # the app's shutdown (a no-op with lifespan="off")
 
     async def start(self, sock: socket.socket) -> asyncio.Task[None]:
         task = asyncio.create_task(self.serve(sockets=[sock]), name=f"chatstream-{self.name}")
