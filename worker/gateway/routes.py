@@ -178,11 +178,14 @@ async def cancel_job(request: Request) -> Response:
 
 
 async def healthz(request: Request) -> Response:
+    """Redis reachable (else 503), with the process's open streams and followed jobs."""
+    gateway = gateway_of(request)
+    counts = {"open_streams": gateway.slots.open_total, "followed_jobs": gateway.hub.followed}
     try:
-        await gateway_of(request).redis.ping()
+        await gateway.redis.ping()
     except RedisError:
-        return JSONResponse({"status": "redis unreachable"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "redis unreachable", **counts}, status_code=503)
+    return JSONResponse({"status": "ok", **counts})
 
 
 # -- errors ---------------------------------------------------------------------------------
