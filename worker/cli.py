@@ -213,7 +213,9 @@ async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
 
     if "log_level" not in settings.model_fields_set:  # the reply is the demo's output
         logging.getLogger("chatstream").setLevel(logging.WARNING)
-    return await run_demo(settings, args.message, tokens=args.tokens, rate=args.rate)
+    return await run_demo(
+        settings, args.message, tokens=args.tokens, rate=args.rate, gateway=args.gateway
+    )
 
 
 # -- output -----------------------------------------------------------------------------
@@ -363,6 +365,11 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--message", default="Explain what a durable token stream is.")
     p.add_argument("--tokens", type=int, default=58)
     p.add_argument("--rate", type=float, default=40.0)
+    p.add_argument(
+        "--gateway",
+        action="store_true",
+        help="stream it through the HTTP gateway, then serve the page at / until interrupted",
+    )
     p.set_defaults(command=demo_command)
 
 

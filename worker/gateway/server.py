@@ -1,10 +1,12 @@
-"""Serving the gateway with uvicorn: ``chatstream gateway`` (blocking, with signals) or
-embedded in a running event loop (the demo, the tests, the benchmark)."""
+"""Serving the gateway with uvicorn in a running event loop: ``chatstream gateway`` (until
+SIGINT / SIGTERM, then exit 0), the demo, the tests and the benchmark."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
 
 import uvicorn
@@ -32,15 +34,25 @@ def _config(settings: Settings, redis: Redis | None) -> uvicorn.Config:
 
 
 async def run_gateway(settings: Settings) -> int:
-    """Serve until SIGINT / SIGTERM."""
-    config = _config(settings, None)
-    sock = bind(settings.gateway_host, settings.gateway_port, backlog=4096)
-    log.info("gateway listening on %s", _base_url(settings.gateway_host, sock.getsockname()[1]))
-    try:
-        await uvicorn.Server(config).serve(sockets=[sock])
-    finally:
-        sock.close()
+    """Serve until SIGINT / SIGTERM, then stop gracefully (exit status 0)."""
+    async with serve_gateway(settings) as url:
+        log.info("gateway listening on %s", url)
+        await until_signalled()
+        log.info("gateway stopping")
     return 0
+
+
+async def until_signalled() -> None:
+    """Returns on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 @contextlib.asynccontextmanager
