@@ -39,6 +39,10 @@ TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
 RANGE_COUNT = 500  # entries per XRANGE page
 READ_COUNT = 500  # entries per stream per XREAD
 WAKE_TTL_SECONDS = 3600
+# Successive XREADs start at least this far apart. An idle hub is blocked in XREAD and
+# hands an entry on at once; a busy one gets many entries per read instead of one (each
+# read re-sends every followed key and costs a round trip): at most this much added delay.
+MIN_READ_INTERVAL = 0.005
 
 
 def id_tuple(entry_id: str) -> tuple[int, int]:
@@ -81,10 +85,17 @@ class Follower:
 
 class EventHub:
     def __init__(
-        self, redis: Redis, keys: Keys, *, block_ms: int = 2_000, max_backlog: int = 2_000
+        self,
+        redis: Redis,
+        keys: Keys,
+        *,
+        block_ms: int = 2_000,
+        max_backlog: int = 2_000,
+        min_interval: float = MIN_READ_INTERVAL,
     ) -> None:
         self.redis = redis
         self.block_ms = block_ms
+        self.min_interval = min_interval
         self.max_backlog = max_backlog
         self.wake_key = keys.gateway_wake(uuid.uuid4().hex[:16])
         self._wake_cursor = "0-0"
@@ -125,11 +136,17 @@ class EventHub:
     async def run(self) -> None:
         """Read and hand out entries until cancelled; Redis errors are retried."""
         backoff = Backoff(first=0.05, cap=2.0)
+        loop = asyncio.get_running_loop()
+        started = 0.0
         while True:
             if not self._last:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
+            pause = started + self.min_interval - loop.time()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            started = loop.time()
             try:
                 await self._read_once()
                 backoff.reset()
