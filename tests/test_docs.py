@@ -49,6 +49,7 @@ OUR_DOCS = (
     "scaling.md",
     "consumers.md",
     "decisions.md",
+    "gateway.md",
 )
 DOC_DB = 15
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```", re.DOTALL | re.MULTILINE)

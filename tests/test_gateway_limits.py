@@ -7,8 +7,10 @@ a refused request enqueues no job.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from typing import Any
 
 import httpx
 import pytest
@@ -19,6 +21,7 @@ from tests.gateway_env import KEY, OTHER_KEY, GatewayEnv, key_setting, running_g
 from tests.support import eventually
 from worker.errors import ConfigError
 from worker.gateway import create_app, serve_gateway
+from worker.logs import secrets_of
 from worker.mock_upstream import MockUpstream
 from worker.settings import Settings
 
@@ -349,3 +352,30 @@ async def test_redis_down_is_a_503(settings: Settings) -> None:
     assert_error(response, 503, "unavailable", "Redis is unavailable")
     assert response.headers["retry-after"] == "1"
     assert health.status_code == 503
+
+
+async def test_no_api_key_reaches_redis_or_the_logs(
+    idle: GatewayEnv, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with idle.http() as http, idle.http("sk-wrong") as wrong:
+        job_id = await create_job(http)
+        await http.get(f"/v1/jobs/{job_id}")
+        await wrong.get(f"/v1/jobs/{job_id}")
+        await http.post(f"/v1/jobs/{job_id}/cancel")
+    stored: list[str] = []
+    async for key in idle.redis.scan_iter(f"{idle.settings.prefix}:*"):
+        stored.append(key)
+        kind = await idle.redis.type(key)
+        if kind == "hash":
+            stored += [str(v) for v in (await idle.redis.hgetall(key)).values()]
+        elif kind == "stream":
+            rows: Any = await idle.redis.xrange(key)
+            stored += [json.dumps(fields) for _, fields in rows]
+        elif kind == "string":
+            stored.append(str(await idle.redis.get(key)))
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    for secret in (KEY, OTHER_KEY):
+        assert not any(secret in text for text in stored)
+        assert secret not in logged
+    assert KEY in secrets_of(idle.settings)  # masked, should a log line ever carry it

@@ -40,7 +40,7 @@ async def run_demo(
         consume = asyncio.create_task(worker.consume())
         try:
             if gateway:
-                from worker.gateway_demo import through_gateway
+                from worker.gateway.demo import through_gateway
 
                 return await through_gateway(stack, settings, redis, message)
             return await _stream_one(Client.from_settings(settings, redis), message)

@@ -10,6 +10,7 @@
 ``limits``          open streams per key and process, jobs per minute per key (Redis)
 ``page``            the page at ``/`` (``static/``)
 ``server``          serving it with uvicorn
+``demo``            ``chatstream demo --gateway``
 =================== ====================================================================
 
 See docs/gateway.md.
