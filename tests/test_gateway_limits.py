@@ -153,14 +153,20 @@ async def test_open_streams_are_limited_per_key_and_in_all(idle: GatewayEnv) -> 
         third = await http.get(f"/v1/jobs/{jobs[2]}/events")
         assert_error(third, 429, "too_many_streams", "2 open streams")
         assert third.headers["retry-after"] == "1"
+        queued = await queue_length(idle)
+        too_many = await http.post(COMPLETIONS, json=STREAM)
+        assert_error(too_many, 429, "too_many_streams", "2 open streams")
+        assert await queue_length(idle) == queued  # refused before any job was made
         their_job = await create_job(other)
         theirs = await stack.enter_async_context(
             other.stream("GET", f"/v1/jobs/{their_job}/events")
         )
         assert theirs.status_code == 200  # another key has its own allowance
+        queued = await queue_length(idle)
         full = await other.post(COMPLETIONS, json={**STREAM, "stream": False})
         assert_error(full, 503, "overloaded", "3 open streams")
         assert full.headers["retry-after"] == "1"
+        assert await queue_length(idle) == queued  # refused before any job was made
         await streams[0].aclose()  # a closed stream gives its slot back
 
         async def accepted_again() -> bool:

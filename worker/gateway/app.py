@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +32,7 @@ from worker.errors import ChatstreamError, InvalidJobError, JobNotFoundError
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKey, ApiKeys, bearer
 from worker.gateway.hub import EventHub, JobFeed, Row, is_terminal
-from worker.gateway.limits import RateLimiter, StreamSlots
+from worker.gateway.limits import RateLimiter, Slot, StreamSlots
 from worker.gateway.responses import EventStream, client_gone
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
@@ -46,6 +46,7 @@ IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 # dispatches an event for a lone "retry:" line, with empty data it cannot parse.
 RETRY_LINE = b"retry: 1000\n"
 TRUE = frozenset({"1", "true", "yes"})
+CANCEL_HEADER = "x-chatstream-cancel-on-disconnect"
 TERMINAL_VALUES = frozenset(status.value for status in TERMINAL)
 
 
@@ -229,53 +230,47 @@ class Gateway:
     # -- answering --------------------------------------------------------------------------
 
     async def stream_reply(
-        self, info: JobInfo, ctx: fmt.ChunkContext, headers: dict[str, str], cancel: bool
+        self,
+        info: JobInfo,
+        ctx: fmt.ChunkContext,
+        headers: dict[str, str],
+        slot: Slot,
+        *,
+        cancel: bool = False,
     ) -> Response | EventStream:
         """An SSE response once the first entry came (or a keep-alive is due). A job that
-        failed before any output is answered with an HTTP error, as OpenAI does."""
-        self.slots.acquire(info.owner)
-        try:
-            feed = JobFeed(
-                self.hub,
-                self.keys,
-                info.job_id,
-                idle_seconds=self.settings.gateway_keepalive_seconds,
-            )
-            batches = feed.batches()
-            first = await anext(batches)
-            if _failed_before_output(first):
-                await batches.aclose()
-                self.slots.release(info.owner)
-                return _job_error_response(
-                    json.loads(first[-1][1].get("data") or "{}"), first[-1][1]["type"], headers
-                )
-        except BaseException:
-            self.slots.release(info.owner)
-            raise
+        failed before any output is answered with an HTTP error, as OpenAI does. The
+        response releases ``slot`` when it ends."""
+        feed = JobFeed(
+            self.hub, self.keys, info.job_id, idle_seconds=self.settings.gateway_keepalive_seconds
+        )
+        batches = feed.batches()
+        first = await anext(batches)
+        if _failed_before_output(first):
+            await batches.aclose()
+            slot.release()
+            last = first[-1][1]
+            return _job_error_response(json.loads(last.get("data") or "{}"), last["type"], headers)
         frames = openai_frames(ctx, batches, first=first)
-        return self.event_stream(frames, info, headers, cancel)
+        return self.event_stream(frames, info, headers, slot, cancel=cancel)
 
     def event_stream(
         self,
         frames: AsyncGenerator[bytes, None],
         info: JobInfo,
         headers: dict[str, str],
-        cancel: bool,
+        slot: Slot,
+        *,
+        cancel: bool = False,
     ) -> EventStream:
-        return EventStream(
-            frames,
-            headers=headers,
-            send_timeout=self.settings.gateway_send_timeout,
-            on_close=self._closer(info, cancel),
-        )
-
-    def _closer(self, info: JobInfo, cancel: bool) -> Callable[[bool], Awaitable[None]]:
         async def close(client_gone: bool) -> None:
-            self.slots.release(info.owner)
+            slot.release()
             if client_gone and cancel:
                 await self.cancel_quietly(info.job_id)
 
-        return close
+        return EventStream(
+            frames, headers=headers, send_timeout=self.settings.gateway_send_timeout, on_close=close
+        )
 
     async def cancel_quietly(self, job_id: str) -> None:
         try:
@@ -285,26 +280,20 @@ class Gateway:
             log.warning("gateway: cancelling job %s failed: %s", job_id, exc)
 
     async def wait_reply(
-        self,
-        request: Request,
-        info: JobInfo,
-        ctx: fmt.ChunkContext,
-        headers: dict[str, str],
-        cancel: bool,
+        self, request: Request, info: JobInfo, ctx: fmt.ChunkContext, headers: dict[str, str]
     ) -> Response:
         """The ``chat.completion`` once the job ends (or the error it ended with)."""
-        with self.slots.hold(info.owner):
-            finished = asyncio.create_task(self.wait_terminal(info.job_id))
-            gone = asyncio.create_task(client_gone(request.receive))
-            try:
-                await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                await cancel_and_wait([finished, gone])
-            if not finished.done() or finished.cancelled():
-                if cancel:
-                    await self.cancel_quietly(info.job_id)
-                return Response(status_code=499)  # nobody is listening
-            finished.result()
+        finished = asyncio.create_task(self.wait_terminal(info.job_id))
+        gone = asyncio.create_task(client_gone(request.receive))
+        try:
+            await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait([finished, gone])
+        if not finished.done() or finished.cancelled():
+            if cancel_on_disconnect(request):
+                await self.cancel_quietly(info.job_id)
+            return Response(status_code=499)  # nobody is listening
+        finished.result()
         record = await self.client.get(info.job_id)
         if record.status is JobStatus.SUCCEEDED:
             return JSONResponse(fmt.completion(ctx, record), headers=headers)
@@ -417,6 +406,10 @@ def _request_sha256(body: dict[str, Any]) -> str:
 def _idempotent_job_id(key: ApiKey, idempotency_key: str) -> str:
     """The job id of a key's Idempotency-Key: another key's same header is another job."""
     return "idem-" + hashlib.sha256(f"{key.id}\n{idempotency_key}".encode()).hexdigest()[:40]
+
+
+def cancel_on_disconnect(request: Request) -> bool:
+    return request.headers.get(CANCEL_HEADER, "").lower() in TRUE
 
 
 def _failed_before_output(rows: list[Row]) -> bool:

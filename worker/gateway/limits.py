@@ -29,8 +29,21 @@ class LimitExceeded(Exception):
         self.retry_after = max(1, math.ceil(retry_after))
 
 
+class Slot:
+    """One open stream's place; ``release()`` may be called any number of times."""
+
+    def __init__(self, slots: StreamSlots, key_id: str) -> None:
+        self._slots = slots
+        self._key_id: str | None = key_id
+
+    def release(self) -> None:
+        if self._key_id is not None:
+            self._slots.release(self._key_id)
+            self._key_id = None
+
+
 class StreamSlots:
-    """Open streams per API key and in all; ``hold()`` one for as long as it is open."""
+    """Open streams per API key and in all; ``take()`` one for as long as it is open."""
 
     def __init__(self, per_key: int, total: int) -> None:
         self.per_key = per_key
@@ -62,13 +75,17 @@ class StreamSlots:
         if self.open[key_id] <= 0:
             del self.open[key_id]
 
+    def take(self, key_id: str) -> Slot:
+        self.acquire(key_id)
+        return Slot(self, key_id)
+
     @contextmanager
     def hold(self, key_id: str) -> Iterator[None]:
-        self.acquire(key_id)
+        slot = self.take(key_id)
         try:
             yield
         finally:
-            self.release(key_id)
+            slot.release()
 
 
 # GCRA (the generic cell rate algorithm): one number per key, the theoretical arrival time

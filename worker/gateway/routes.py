@@ -19,10 +19,12 @@ from starlette.routing import Route
 from schemas.jobs import JobRecord, JobStatus
 from worker.errors import JobNotFoundError
 from worker.gateway.app import (
+    CANCEL_HEADER,
     IDEMPOTENCY_KEY,
     TRUE,
     Gateway,
     GatewayError,
+    cancel_on_disconnect,
     error_response,
     include_usage,
     native_frames,
@@ -36,8 +38,6 @@ from worker.gateway.responses import EventStream
 from worker.settings import Settings
 
 log = logging.getLogger("chatstream.gateway")
-
-CANCEL_HEADER = "x-chatstream-cancel-on-disconnect"
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -104,18 +104,29 @@ async def chat_completions(request: Request) -> Response | EventStream:
     key = gateway.authenticate(request)
     body = await read_json(request, gateway.settings.gateway_max_body_bytes)
     check_request(body)
-    info = await gateway.submit(key, body, idempotency_key(request))
-    headers = {
-        "x-chatstream-job-id": info.job_id,
-        "x-chatstream-events-token": key.events_token(info.job_id),
-    }
-    if "respond-async" in request.headers.get("prefer", "").lower():
-        return JSONResponse(accepted_job(info.job_id, headers), status_code=202, headers=headers)
-    cancel = request.headers.get(CANCEL_HEADER, "").lower() in TRUE
-    ctx = info.context(include_usage=include_usage(body))
-    if body.get("stream"):
-        return await gateway.stream_reply(info, ctx, headers, cancel)
-    return await gateway.wait_reply(request, info, ctx, headers, cancel)
+    respond_async = "respond-async" in request.headers.get("prefer", "").lower()
+    slot = None if respond_async else gateway.slots.take(key.id)  # before the job exists
+    try:
+        info = await gateway.submit(key, body, idempotency_key(request))
+        headers = {
+            "x-chatstream-job-id": info.job_id,
+            "x-chatstream-events-token": key.events_token(info.job_id),
+        }
+        if slot is None:
+            return JSONResponse(
+                accepted_job(info.job_id, headers), status_code=202, headers=headers
+            )
+        ctx = info.context(include_usage=include_usage(body))
+        if not body.get("stream"):
+            return await gateway.wait_reply(request, info, ctx, headers)
+        cancel = cancel_on_disconnect(request)
+        reply = await gateway.stream_reply(info, ctx, headers, slot, cancel=cancel)
+        if isinstance(reply, EventStream):
+            slot = None  # the stream releases it when it ends
+        return reply
+    finally:
+        if slot is not None:
+            slot.release()
 
 
 def accepted_job(job_id: str, headers: dict[str, str]) -> dict[str, Any]:
@@ -135,7 +146,7 @@ async def job_events(request: Request) -> EventStream:
     after = resume_cursor(request)
     native = _format(request) == "chatstream"
     cancel = request.query_params.get("cancel_on_disconnect", "").lower() in TRUE
-    gateway.slots.acquire(key.id)
+    slot = gateway.slots.take(key.id)
     feed = JobFeed(
         gateway.hub,
         gateway.keys,
@@ -149,7 +160,8 @@ async def job_events(request: Request) -> EventStream:
     else:
         done = info.status == JobStatus.SUCCEEDED.value
         frames = openai_frames(info.context(), feed.batches(), done_if_empty=done)
-    return gateway.event_stream(frames, info, {"x-chatstream-job-id": job_id}, cancel)
+    headers = {"x-chatstream-job-id": job_id}
+    return gateway.event_stream(frames, info, headers, slot, cancel=cancel)
 
 
 def _format(request: Request) -> str:
