@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -57,6 +58,7 @@ from bench_worker import (
     machine_busy,
     machine_load,
     peak_rss,
+    set_autogroup_nice,
     spawn,
     wait_port,
 )
@@ -292,9 +294,12 @@ def create_jobs(redis_url: str, n: int) -> list[str]:
 async def run_child(mode: str, spec: dict[str, Any], logs: Path) -> asyncio.subprocess.Process:
     path = logs / f"{mode}-spec.json"
     write_json(str(path), spec)
-    return await asyncio.create_subprocess_exec(
-        sys.executable, __file__, f"--{mode}", str(path), stdout=subprocess.PIPE
-    )
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, f"--{mode}", str(path), stdout=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    set_autogroup_nice(child.pid)
+    return child
 
 
 async def measure(system: str, n: int, plan: Plan, logs: Path, redis: tuple[str, int, int]) -> Step:
@@ -306,27 +311,13 @@ async def measure(system: str, n: int, plan: Plan, logs: Path, redis: tuple[str,
         await asyncio.to_thread(wait_port, port, gateway.popen)
         jobs = create_jobs(redis_url, n)
         step.before = await asyncio.to_thread(machine_load, 1.0)
-        ramp = max(1.0, n / 2000)
-        deadline = time.time() + ramp + plan.duration + 30
-        spec = {"jobs": jobs, "key": KEY, "port": port, "start": time.time(), "ramp": ramp,
-                "deadline": deadline, "out": str(logs / "clients.json")}  # fmt: skip
-        readers = await run_child("clients", spec, logs)
-        assert readers.stdout is not None
-        async with asyncio.timeout(ramp + 60):
-            line = await readers.stdout.readline()
-        if line.strip() != b"connected":
-            raise RuntimeError("the clients could not connect")
+        readers = await open_clients(jobs, port, plan, logs)
         pids = {"gateway": gateway.pid, "redis": redis_pid}
-        keys = [f"{PREFIX}:job:{{{job_id}}}:events" for job_id in jobs]
-        write_spec = {"keys": keys, "redis_port": redis_port, "rate": plan.rate,
-                      "duration": plan.duration, "out": str(logs / "writer.json")}  # fmt: skip
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         busy_before = machine_busy()
-        write = await run_child("writer", write_spec, logs)
-        if await write.wait() != 0:
-            raise RuntimeError(f"the writer failed ({write.returncode})")
+        await write_entries(jobs, redis_port, plan, logs)
         cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        busy_after = machine_busy()
+        busy, total = (b - a for b, a in zip(machine_busy(), busy_before, strict=True))
         await readers.wait()
         step.rss = peak_rss(gateway.pid)
         wrote, got = read_json(logs / "writer.json"), read_json(logs / "clients.json")
@@ -334,13 +325,37 @@ async def measure(system: str, n: int, plan: Plan, logs: Path, redis: tuple[str,
         step.cpu = {k: 100 * (cpu_after[k] - cpu_before[k]) / seconds for k in cpu_after}
         step.cpu["writer"] = 100 * wrote["cpu"] / seconds
         step.cpu["clients"] = 100 * got["cpu"] / seconds
-        step.machine = (
-            200 * (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
-        )
+        step.machine = 200 * busy / max(1, total)
         summarize(step, got, wrote, n)
     finally:
         gateway.stop()
     return step
+
+
+async def open_clients(
+    jobs: list[str], port: int, plan: Plan, logs: Path
+) -> asyncio.subprocess.Process:
+    """The client process, once all its streams are open."""
+    ramp = max(1.0, len(jobs) / 2000)
+    deadline = time.time() + ramp + plan.duration + 30
+    spec = {"jobs": jobs, "key": KEY, "port": port, "start": time.time(), "ramp": ramp,
+            "deadline": deadline, "out": str(logs / "clients.json")}  # fmt: skip
+    readers = await run_child("clients", spec, logs)
+    assert readers.stdout is not None
+    async with asyncio.timeout(ramp + 60):
+        line = await readers.stdout.readline()
+    if line.strip() != b"connected":
+        raise RuntimeError("the clients could not connect")
+    return readers
+
+
+async def write_entries(jobs: list[str], redis_port: int, plan: Plan, logs: Path) -> None:
+    keys = [f"{PREFIX}:job:{{{job_id}}}:events" for job_id in jobs]
+    spec = {"keys": keys, "redis_port": redis_port, "rate": plan.rate,
+            "duration": plan.duration, "out": str(logs / "writer.json")}  # fmt: skip
+    write = await run_child("writer", spec, logs)
+    if await write.wait() != 0:
+        raise RuntimeError(f"the writer failed ({write.returncode})")
 
 
 def summarize(step: Step, got: dict[str, Any], wrote: dict[str, Any], n: int) -> None:
@@ -451,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--start", type=int, help="the first N")
     parser.add_argument("--rate", type=float, help="entries per second per stream")
     parser.add_argument("--duration", type=float, help="seconds of writing per step")
+    parser.add_argument("--nice", type=int, default=0, help="run everything at this niceness")
     parser.add_argument("--clients", help=argparse.SUPPRESS)
     parser.add_argument("--writer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -460,6 +476,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.writer:
         asyncio.run(writer(json.loads(Path(args.writer).read_text())))
         return
+    if args.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # inherited by every process started
     plan = QUICK if args.quick else Plan()
     for name in ("start", "rate", "duration"):
         if getattr(args, name) is not None:

@@ -326,18 +326,26 @@ async def openai_frames(
     """The job's entries as OpenAI chunks; a keep-alive comment for an idle period."""
     sent = False
     try:
-        async for rows in _prepend(first, batches):
-            if not rows:
-                yield fmt.KEEPALIVE_FRAME
-                continue
-            yield fmt.sse_frames(ctx, rows) if sent else RETRY_LINE + fmt.sse_frames(ctx, rows)
-            sent = True
+        if first is not None:
+            yield _openai_bytes(ctx, first, retry=True)
+            sent = bool(first)
+        async for rows in batches:
+            yield _openai_bytes(ctx, rows, retry=not sent)
+            sent = sent or bool(rows)
         if not sent and done_if_empty:
             yield fmt.DONE_FRAME  # resumed after the done entry: only the end marker is left
     except JobNotFoundError as exc:
         yield fmt.error_frame(ctx, "job_expired", exc.message)
     finally:
         await batches.aclose()
+
+
+def _openai_bytes(ctx: fmt.ChunkContext, rows: list[Row], *, retry: bool) -> bytes:
+    """The rows' frames (the first data-bearing one with ``retry:``); a keep-alive for []."""
+    if not rows:
+        return fmt.KEEPALIVE_FRAME
+    frames = fmt.sse_frames(ctx, rows)
+    return RETRY_LINE + frames if retry else frames
 
 
 async def native_frames(batches: AsyncGenerator[list[Row], None]) -> AsyncGenerator[bytes, None]:
@@ -356,15 +364,6 @@ async def native_frames(batches: AsyncGenerator[list[Row], None]) -> AsyncGenera
         yield b"data: " + json.dumps(event).encode() + b"\n\n"
     finally:
         await batches.aclose()
-
-
-async def _prepend(
-    first: list[Row] | None, batches: AsyncGenerator[list[Row], None]
-) -> AsyncIterator[list[Row]]:
-    if first is not None:
-        yield first
-    async for rows in batches:
-        yield rows
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class EventStream:
         self.headers = {**SSE_HEADERS, **headers}
         self.send_timeout = send_timeout
         self.on_close = on_close
+        self._sending_since: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = False  # a server shutdown cancels this call: not the client's doing
@@ -58,26 +59,39 @@ class EventStream:
         """Writes the frames; True when the client went away (or stalled) first."""
         pump = asyncio.create_task(self._pump(send))
         watch = asyncio.create_task(client_gone(receive))
+        stall = asyncio.create_task(self._stalled())
         try:
-            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((pump, watch, stall), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (pump, watch):
+            for task in (pump, watch, stall):
                 task.cancel()
-            await asyncio.gather(pump, watch, return_exceptions=True)
-        if watch.done() and not watch.cancelled():
+            await asyncio.gather(pump, watch, stall, return_exceptions=True)
+        if any(task.done() and not task.cancelled() for task in (watch, stall)):
             return True
         error = None if pump.cancelled() else pump.exception()
-        if isinstance(error, TimeoutError | OSError):  # stalled, or gone while we wrote
+        if isinstance(error, OSError):  # gone while we wrote
             return True
         if error is not None:
             log.error("gateway: an event stream failed: %r", error, exc_info=error)
         return False
 
     async def _pump(self, send: Send) -> None:
+        loop = asyncio.get_running_loop()
         try:
             async for frame in self.frames:
-                async with asyncio.timeout(self.send_timeout):
-                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                self._sending_since = loop.time()
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                self._sending_since = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.frames.aclose()
+
+    async def _stalled(self) -> None:
+        """Returns once one write has waited longer than ``send_timeout`` (checked a few
+        times per period: one timer per stream instead of one per write)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.send_timeout / 4)
+            since = self._sending_since
+            if since is not None and loop.time() - since > self.send_timeout:
+                return
