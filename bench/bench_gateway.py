@@ -27,9 +27,10 @@ written; same uvicorn, same chunk formatting) runs the same steps.
 Columns: p50 / p99 / max latency; ev/s = events delivered per second; CPU of each process
 (one core = 100%) over the writing period; ``all`` = the whole machine (200% = both cores),
 ``before`` = the machine in the second before the step (other people's load); RSS = the
-gateway's peak. On this 2-core machine the gateway, Redis, the writer and the clients
-share the cores: the figure is where this box stops meeting the bound, not a property of
-the gateway alone; the CPU columns say who used what.
+gateway's peak; conns = its connections to Redis during the step. On this 2-core machine
+the gateway, Redis, the writer and the clients share the cores: the figure is where this
+box stops meeting the bound, not a property of the gateway alone; the CPU columns say who
+used what.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Step:
     machine: float = 0.0
     before: float = 0.0
     rss: int = 0
+    redis_clients: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -315,7 +317,7 @@ async def measure(system: str, n: int, plan: Plan, logs: Path, redis: tuple[str,
         pids = {"gateway": gateway.pid, "redis": redis_pid}
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         busy_before = machine_busy()
-        await write_entries(jobs, redis_port, plan, logs)
+        step.redis_clients = await write_entries(jobs, redis_url, redis_port, plan, logs)
         cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
         busy, total = (b - a for b, a in zip(machine_busy(), busy_before, strict=True))
         await readers.wait()
@@ -349,13 +351,28 @@ async def open_clients(
     return readers
 
 
-async def write_entries(jobs: list[str], redis_port: int, plan: Plan, logs: Path) -> None:
+async def write_entries(
+    jobs: list[str], redis_url: str, redis_port: int, plan: Plan, logs: Path
+) -> int:
+    """Runs the writer; returns Redis's connected clients a second into the writing."""
     keys = [f"{PREFIX}:job:{{{job_id}}}:events" for job_id in jobs]
     spec = {"keys": keys, "redis_port": redis_port, "rate": plan.rate,
             "duration": plan.duration, "out": str(logs / "writer.json")}  # fmt: skip
     write = await run_child("writer", spec, logs)
+    await asyncio.sleep(1.0)
+    connected = await asyncio.to_thread(redis_clients, redis_url)
     if await write.wait() != 0:
         raise RuntimeError(f"the writer failed ({write.returncode})")
+    return connected
+
+
+def redis_clients(redis_url: str) -> int:
+    """Connections to Redis, less this one and the writer's."""
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        return int(client.info("clients")["connected_clients"]) - 2
+    finally:
+        client.close()
 
 
 def summarize(step: Step, got: dict[str, Any], wrote: dict[str, Any], n: int) -> None:
@@ -396,13 +413,13 @@ def line(step: Step) -> str:
     return (
         f"{step.system:8} {step.n:6d} {step.p50:7.1f} {step.p99:7.1f} {step.worst:7.1f} "
         f"{step.events_per_s:8.0f}  {cpu} {step.machine:4.0f}% {step.before * 200:4.0f}%"
-        f" {step.rss / 2**20:6.0f}  {verdict}"
+        f" {step.rss / 2**20:6.0f} {step.redis_clients:5d}  {verdict}"
     )
 
 
 HEADER = (
     "system        N  p50 ms  p99 ms  max ms     ev/s  gateway redis writer clients"
-    "  all before RSS MiB"
+    "  all before RSS MiB conns"
 )
 
 
