@@ -85,6 +85,7 @@ class Plan:
     duration: float = 10.0
     max_n: int = 16_000
     bisect: int = 2
+    per_job: int = 1  # clients reading each job
 
 
 QUICK = Plan(start=100, rate=20.0, duration=4.0, max_n=400, bisect=0)
@@ -311,9 +312,9 @@ async def measure(system: str, n: int, plan: Plan, logs: Path, redis: tuple[str,
     gateway = gateway_proc(system, logs, redis_url, port)
     try:
         await asyncio.to_thread(wait_port, port, gateway.popen)
-        jobs = create_jobs(redis_url, n)
+        jobs = create_jobs(redis_url, -(-n // plan.per_job))
         step.before = await asyncio.to_thread(machine_load, 1.0)
-        readers = await open_clients(jobs, port, plan, logs)
+        readers = await open_clients([jobs[i % len(jobs)] for i in range(n)], port, plan, logs)
         pids = {"gateway": gateway.pid, "redis": redis_pid}
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         busy_before = machine_busy()
@@ -328,7 +329,7 @@ async def measure(system: str, n: int, plan: Plan, logs: Path, redis: tuple[str,
         step.cpu["writer"] = 100 * wrote["cpu"] / seconds
         step.cpu["clients"] = 100 * got["cpu"] / seconds
         step.machine = 200 * busy / max(1, total)
-        summarize(step, got, wrote, n)
+        summarize(step, got, wrote, n, len(jobs))
     finally:
         gateway.stop()
     return step
@@ -375,7 +376,7 @@ def redis_clients(redis_url: str) -> int:
         client.close()
 
 
-def summarize(step: Step, got: dict[str, Any], wrote: dict[str, Any], n: int) -> None:
+def summarize(step: Step, got: dict[str, Any], wrote: dict[str, Any], n: int, streams: int) -> None:
     first, last = int(wrote["start"] + WARMUP_S), int(wrote["end"]) - 1
     hist: Counter[int] = Counter()
     for second, buckets in got["slots"].items():
@@ -388,8 +389,20 @@ def summarize(step: Step, got: dict[str, Any], wrote: dict[str, Any], n: int) ->
         step.problems.append(f"{got['failed']} refused")
     if got["finished"] != n:
         step.problems.append(f"{n - got['finished']} unfinished")
-    if got["events"] != wrote["entries"] + n:
-        step.problems.append(f"{wrote['entries'] + n - got['events']} events missing")
+    expected = expected_events(wrote["entries"], streams, n)
+    if got["events"] != expected:
+        step.problems.append(f"{expected - got['events']} events missing")
+
+
+def expected_events(entries: int, streams: int, clients: int) -> int:
+    """Every client gets its stream's entries and the done entry; entry m went to stream
+    m % streams and client i reads stream i % streams."""
+    total = 0
+    for stream in range(streams):
+        stream_entries = entries // streams + (stream < entries % streams)
+        readers = clients // streams + (stream < clients % streams)
+        total += readers * (stream_entries + 1)
+    return total
 
 
 def percentile(hist: Counter[int], q: float) -> float:
@@ -460,7 +473,10 @@ def redis_server(logs: Path) -> Iterator[tuple[str, int, int]]:
 
 
 async def run(plan: Plan, systems: Sequence[str], logs: Path) -> None:
-    print(f"{plan.rate:g} entries/s per stream, {plan.duration:g} s per step; logs in {logs}")
+    print(
+        f"{plan.rate:g} entries/s per stream, {plan.per_job} client(s) per stream, "
+        f"{plan.duration:g} s per step; logs in {logs}"
+    )
     print(HEADER, flush=True)
     best: dict[str, Step | None] = {}
     with redis_server(logs) as redis:
@@ -483,6 +499,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--start", type=int, help="the first N")
     parser.add_argument("--rate", type=float, help="entries per second per stream")
     parser.add_argument("--duration", type=float, help="seconds of writing per step")
+    parser.add_argument("--per-job", type=int, help="clients per job (default 1)")
     parser.add_argument("--nice", type=int, default=0, help="run everything at this niceness")
     parser.add_argument("--clients", help=argparse.SUPPRESS)
     parser.add_argument("--writer", help=argparse.SUPPRESS)
@@ -496,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.nice:
         os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # inherited by every process started
     plan = QUICK if args.quick else Plan()
-    for name in ("start", "rate", "duration"):
+    for name in ("start", "rate", "duration", "per_job"):
         if getattr(args, name) is not None:
             setattr(plan, name, getattr(args, name))
     logs = BENCH / ".gateway-logs"
