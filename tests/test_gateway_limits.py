@@ -196,6 +196,15 @@ async def test_jobs_per_minute_are_limited_per_key_across_gateways(
     assert await queue_length(idle) == 7
 
 
+async def test_a_refused_request_does_not_spend_the_keys_rate(idle: GatewayEnv) -> None:
+    async with idle.http() as http:
+        for _ in range(10):
+            bad = await http.post(COMPLETIONS, json={"model": "m"}, headers=ASYNC)
+            assert_error(bad, 400, "invalid_request", "messages: Field required")
+        accepted = [await http.post(COMPLETIONS, json=STREAM, headers=ASYNC) for _ in range(6)]
+    assert [r.status_code for r in accepted] == [202] * 6
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 DEEP = ("[" * 100_000).encode()

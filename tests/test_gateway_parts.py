@@ -23,7 +23,7 @@ from tests.test_differential_openai import sdk_summary
 from worker.errors import ConfigError
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKeys, bearer
-from worker.gateway.hub import EventHub, JobFeed, Row
+from worker.gateway.hub import EventHub, JobFeed, ReadCommand, Row
 from worker.gateway.limits import LimitExceeded, StreamSlots
 from worker.gateway.responses import EventStream
 from worker.keys import Keys
@@ -482,3 +482,34 @@ async def eventually_async(check: Any, timeout: float = 5) -> None:
         return bool(check())
 
     await eventually(checked, timeout)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["set", "drop"]), st.sampled_from("abcdé"), st.integers(0, 9)),
+        max_size=30,
+    )
+)
+def test_the_hand_packed_xread_is_what_redis_py_would_send(ops: list[Any]) -> None:
+    from redis.asyncio.connection import Connection
+
+    command, model = ReadCommand(500, 2000), dict[str, str]()
+    for op, key, seq in ops:
+        if op == "set":
+            command.set(f"p:job:{{{key}}}:events", f"17-{seq}")
+            model[f"p:job:{{{key}}}:events"] = f"17-{seq}"
+        elif f"p:job:{{{key}}}:events" in model:
+            command.drop(f"p:job:{{{key}}}:events")
+            del model[f"p:job:{{{key}}}:events"]
+    args: list[str | int] = [
+        "XREAD",
+        "COUNT",
+        500,
+        "BLOCK",
+        2000,
+        "STREAMS",
+        *model,
+        *model.values(),
+    ]
+    assert command.packed() == b"".join(Connection().pack_command(*args))

@@ -9,6 +9,8 @@ vanished client therefore never blocks a worker or another client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -19,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
@@ -26,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from schemas.jobs import TERMINAL, JobStatus
-from schemas.requests import JOB_ID_PATTERN
+from schemas.requests import JOB_ID_PATTERN, ChatRequest
 from worker.client import Client, redis_from_settings
 from worker.errors import ChatstreamError, InvalidJobError, JobNotFoundError
 from worker.gateway import openai_format as fmt
@@ -124,6 +127,11 @@ class Gateway:
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        # What is alive after start-up lives as long as the process: out of the collector's
+        # sight, full collections stay short (they stalled every stream for 80-90 ms with
+        # hundreds of clients; the worker does the same, docs/decisions.md 15).
+        gc.collect()
+        gc.freeze()
         task = asyncio.create_task(self.hub.run(), name="chatstream-gateway-hub")
         try:
             yield
@@ -191,6 +199,7 @@ class Gateway:
         self, key: ApiKey, body: dict[str, Any], idempotency_key: str | None
     ) -> JobInfo:
         """Enqueue the request as a job of ``key`` (or find the one the key already made)."""
+        _check_chat_request(body)  # before it spends a job of the key's rate
         sha = _request_sha256(body)
         job_id = None
         if idempotency_key is not None:
@@ -225,7 +234,7 @@ class Gateway:
             job_id = await self.client.enqueue(body, job_id=job_id, metadata=metadata)
         except InvalidJobError as exc:
             raise GatewayError(400, exc.message, code="invalid_request") from None
-        return JobInfo(**{**info.__dict__, "job_id": job_id})
+        return dataclasses.replace(info, job_id=job_id)
 
     # -- answering --------------------------------------------------------------------------
 
@@ -393,6 +402,16 @@ def resume_cursor(request: Request) -> str:
             code="invalid_cursor",
         )
     return value if "-" in value else f"{value}-0"
+
+
+def _check_chat_request(body: dict[str, Any]) -> None:
+    try:
+        ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        raise GatewayError(400, f"invalid request: {problems}", code="invalid_request") from None
 
 
 def _request_sha256(body: dict[str, Any]) -> str:

@@ -54,11 +54,54 @@ def is_terminal(row: Row) -> bool:
     return row[1].get("type") in TERMINAL_TYPES
 
 
-def _streams(reply: Any) -> list[tuple[str, list[Row]]]:
-    """XREAD's reply as (key, rows) pairs (RESP2 gives a list, RESP3 a dict)."""
+def _streams(reply: Any) -> list[tuple[str, Any]]:
+    """XREAD's reply as (key, entries) pairs (RESP2 gives a list, RESP3 a dict)."""
     if not reply:
         return []
     return list(reply.items()) if isinstance(reply, dict) else [(k, r) for k, r in reply]
+
+
+def _bulk(text: str) -> bytes:
+    data = text.encode()
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+class ReadCommand:
+    """``XREAD COUNT c BLOCK ms STREAMS <keys> <ids>``, packed by hand and kept up to date.
+
+    redis-py builds and packs the arguments anew for every call, about 2 us per key: with
+    thousands of followed jobs and a read every few milliseconds that alone is more than a
+    core. Here each key and id is encoded once, when it changes, and a read joins them.
+    """
+
+    def __init__(self, count: int, block_ms: int) -> None:
+        self._options = b"".join(
+            _bulk(part) for part in ("XREAD", "COUNT", str(count), "BLOCK", str(block_ms))
+        )
+        self._keys: dict[str, bytes] = {}  # both dicts share one order: keys and ids align
+        self._ids: dict[str, bytes] = {}
+
+    def set(self, key: str, entry_id: str) -> None:
+        if key not in self._keys:
+            self._keys[key] = _bulk(key)
+        self._ids[key] = _bulk(entry_id)
+
+    def drop(self, key: str) -> None:
+        del self._keys[key], self._ids[key]
+
+    def packed(self) -> bytes:
+        head = b"*%d\r\n" % (6 + 2 * len(self._keys))
+        keys, ids = b"".join(self._keys.values()), b"".join(self._ids.values())
+        return b"".join((head, self._options, b"$7\r\nSTREAMS\r\n", keys, ids))
+
+
+def _rows(entries: Any) -> list[Row]:
+    """A raw XREAD stream's entries ``[id, [field, value, ...]]`` as rows."""
+    rows: list[Row] = []
+    for entry_id, fields in entries:
+        flat = fields or []
+        rows.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+    return rows
 
 
 class Follower:
@@ -98,8 +141,10 @@ class EventHub:
         self.min_interval = min_interval
         self.max_backlog = max_backlog
         self.wake_key = keys.gateway_wake(uuid.uuid4().hex[:16])
-        self._wake_cursor = "0-0"
         self._last: dict[str, str] = {}  # followed key -> the last entry id the hub read
+        self._command = ReadCommand(READ_COUNT, block_ms)
+        self._command.set(self.wake_key, "0-0")
+        self._connection: Any = None  # the hub's own: its XREAD blocks
         self._followers: dict[str, set[Follower]] = {}
         self._reading = False
         self._wake_sent = False
@@ -116,6 +161,7 @@ class EventHub:
         last = self._last.get(key)
         if last is None:
             self._last[key] = cursor
+            self._command.set(key, cursor)
             self._followers[key] = {follower}
             self._wake()
         else:
@@ -132,6 +178,7 @@ class EventHub:
         if not followers:
             del self._followers[follower.key]
             del self._last[follower.key]
+            self._command.drop(follower.key)
 
     async def run(self) -> None:
         """Read and hand out entries until cancelled; Redis errors are retried."""
@@ -155,20 +202,37 @@ class EventHub:
                 await backoff.pause()
 
     async def _read_once(self) -> None:
-        streams: dict[Any, Any] = {**self._last, self.wake_key: self._wake_cursor}
+        before = dict(self._last)
         self._reading, self._wake_sent = True, False
         try:
-            reply = await self.redis.xread(streams, count=READ_COUNT, block=self.block_ms)
+            reply = await self._xread(self._command.packed())
         finally:
             self._reading = False
-        for key, rows in _streams(reply):
+        for key, entries in _streams(reply):
             if key == self.wake_key:
-                self._wake_cursor = rows[-1][0]
-            elif rows and self._last.get(key) == streams[key]:  # not re-followed meanwhile
-                self._deliver(key, rows)
+                self._command.set(key, entries[-1][0])
+            elif entries and key in before and self._last.get(key) == before[key]:
+                self._deliver(key, _rows(entries))  # (unless unfollowed or re-followed)
+
+    async def _xread(self, packed: bytes) -> Any:
+        """One XREAD on the hub's own connection (made like the pool's, reconnected after
+        any failure); the reply as Redis sent it."""
+        connection = self._connection
+        if connection is None:
+            pool = self.redis.connection_pool
+            connection = self._connection = pool.connection_class(**pool.connection_kwargs)
+        try:
+            await connection.send_packed_command(packed)
+            return await connection.read_response()
+        except BaseException:
+            self._connection = None
+            with contextlib.suppress(Exception):
+                await connection.disconnect()
+            raise
 
     def _deliver(self, key: str, rows: list[Row]) -> None:
         self._last[key] = rows[-1][0]
+        self._command.set(key, rows[-1][0])
         for follower in list(self._followers[key]):
             if len(follower.backlog) + len(rows) > self.max_backlog:
                 follower.overflowed = True
@@ -199,6 +263,10 @@ class EventHub:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                await self._connection.disconnect()
+            self._connection = None
         with contextlib.suppress(RedisError):
             await self.redis.delete(self.wake_key)
 
