@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 
@@ -78,3 +78,19 @@ def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+@contextlib.asynccontextmanager
+async def served(server: EmbeddedServer, sock: socket.socket) -> AsyncIterator[int]:
+    """``server`` on the listening ``sock`` until the block ends; yields the bound port."""
+    try:
+        task = await server.start(sock)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        yield int(sock.getsockname()[1])
+    finally:
+        server.stop_requested.set()
+        await task
+        sock.close()

@@ -171,20 +171,23 @@ def _format(request: Request) -> str:
     return value
 
 
-async def get_job(request: Request) -> Response:
+async def owned(request: Request) -> tuple[Gateway, str]:
+    """The gateway and the path's job id, once the caller's key is known to own the job."""
     gateway = gateway_of(request)
     key = gateway.authenticate(request)
-    job_id = request.path_params["job_id"]
+    job_id: str = request.path_params["job_id"]
     await gateway.owned_job(job_id, key)
+    return gateway, job_id
+
+
+async def get_job(request: Request) -> Response:
+    gateway, job_id = await owned(request)
     record = await gateway.client.get(job_id)
     return JSONResponse(record.model_dump(mode="json", include=set(JobRecord.model_fields)))
 
 
 async def cancel_job(request: Request) -> Response:
-    gateway = gateway_of(request)
-    key = gateway.authenticate(request)
-    job_id = request.path_params["job_id"]
-    await gateway.owned_job(job_id, key)
+    gateway, job_id = await owned(request)
     state = await gateway.client.cancel(job_id)
     return JSONResponse({"id": job_id, "status": str(state)})
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 from redis.asyncio import Redis
 
-from worker.embedded_server import EmbeddedServer, bind
+from worker.embedded_server import EmbeddedServer, bind, served
 from worker.gateway.routes import create_app
 from worker.settings import Settings
 
@@ -67,17 +67,8 @@ async def serve_gateway(
     host = settings.gateway_host if host is None else host
     sock = bind(host, settings.gateway_port if port is None else port, backlog=4096)
     server = EmbeddedServer(_config(settings, redis), name="gateway", grace=SHUTDOWN_GRACE_SECONDS)
-    try:
-        task = await server.start(sock)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        yield _base_url(host, sock.getsockname()[1])
-    finally:
-        server.stop_requested.set()
-        await task
-        sock.close()
+    async with served(server, sock) as bound:
+        yield _base_url(host, bound)
 
 
 def _base_url(host: str, port: int) -> str:
