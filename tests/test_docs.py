@@ -54,6 +54,7 @@ OUR_DOCS = (
     "producers.md",
     "operations.md",
     "decisions.md",
+    "gateway.md",
 )
 DOC_DB = 15
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```", re.DOTALL | re.MULTILINE)

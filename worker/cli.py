@@ -238,12 +238,22 @@ async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def gateway_command(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.gateway import run_gateway
+
+    updates = {"gateway_host": args.host, "gateway_port": args.port}
+    settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
+    return await run_gateway(settings)
+
+
 async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     from worker.demo import run_demo
 
     if "log_level" not in settings.model_fields_set:  # the reply is the demo's output
         logging.getLogger("chatstream").setLevel(logging.WARNING)
-    return await run_demo(settings, args.message, tokens=args.tokens, rate=args.rate)
+    return await run_demo(
+        settings, args.message, tokens=args.tokens, rate=args.rate, gateway=args.gateway
+    )
 
 
 # -- parser -----------------------------------------------------------------------------
@@ -259,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     for add in SUBCOMMANDS:
         add(sub)
     return parser
+
+
+def _add_gateway(sub: Any) -> None:
+    p = sub.add_parser("gateway", help="serve the HTTP gateway (OpenAI-compatible, SSE)")
+    p.add_argument("--host", help="listen address (default: CHATSTREAM_GATEWAY_HOST)")
+    p.add_argument("--port", type=int, help="listen port (default: CHATSTREAM_GATEWAY_PORT)")
+    p.set_defaults(command=gateway_command)
 
 
 def _add_dead(sub: Any) -> None:
@@ -354,6 +371,11 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--message", default="Explain what a durable token stream is.")
     p.add_argument("--tokens", type=int, default=58)
     p.add_argument("--rate", type=float, default=40.0)
+    p.add_argument(
+        "--gateway",
+        action="store_true",
+        help="stream it through the HTTP gateway, then serve the page at / until interrupted",
+    )
     p.set_defaults(command=demo_command)
 
 
@@ -365,6 +387,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_stats,
     _add_dead,
     _add_mock_and_demo,
+    _add_gateway,
 ]
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Without ``CHATSTREAM_REDIS_URL`` it uses an in-process Redis stand-in (fakeredis); without
 ``CHATSTREAM_UPSTREAM_URL`` (or named upstreams) it serves the mock upstream on loopback.
-Set either and the same command uses the real thing.
+Set either and the same command uses the real thing. ``--gateway`` also serves the HTTP
+gateway and streams the reply through it: cut off mid-reply, then resumed with
+``Last-Event-ID``; then it keeps serving the page at ``/`` until interrupted.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ DEMO_REPLY = (
 )
 
 
-async def run_demo(settings: Settings, message: str, *, tokens: int, rate: float) -> int:
+async def run_demo(
+    settings: Settings, message: str, *, tokens: int, rate: float, gateway: bool = False
+) -> int:
     async with AsyncExitStack() as stack:
         redis = await stack.enter_async_context(_redis(settings))
         if "redis_url" in settings.model_fields_set:  # a real one: is it there?
@@ -38,6 +42,10 @@ async def run_demo(settings: Settings, message: str, *, tokens: int, rate: float
         await worker.startup()
         consume = asyncio.create_task(worker.consume())
         try:
+            if gateway:
+                from worker.gateway.demo import through_gateway
+
+                return await through_gateway(stack, settings, redis, message)
             return await _stream_one(Client.from_settings(settings, redis), message)
         finally:
             worker.stopping.set()

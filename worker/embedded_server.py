@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 
@@ -54,6 +54,7 @@ class EmbeddedServer(uvicorn.Server):
             task.cancel()
         for server in self.servers:
             await server.wait_closed()
+        await self.lifespan.shutdown()  # the app's shutdown (a no-op with lifespan="off")
 
     async def start(self, sock: socket.socket) -> asyncio.Task[None]:
         task = asyncio.create_task(self.serve(sockets=[sock]), name=f"chatstream-{self.name}")
@@ -87,3 +88,19 @@ def bind(host: str, port: int, backlog: int = 128, *, what: str = "a server") ->
         sock.close()
         raise
     return sock
+
+
+@contextlib.asynccontextmanager
+async def served(server: EmbeddedServer, sock: socket.socket) -> AsyncIterator[int]:
+    """``server`` on the listening ``sock`` until the block ends; yields the bound port."""
+    try:
+        task = await server.start(sock)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        yield int(sock.getsockname()[1])
+    finally:
+        server.stop_requested.set()
+        await task
+        sock.close()

@@ -42,3 +42,11 @@ class Keys:
 
     def events(self, job_id: str) -> str:
         return f"{self.prefix}:job:{{{job_id}}}:events"
+
+    def gateway_rate(self, key_id: str) -> str:
+        """String: the gateway's rate limiter state (GCRA) of one API key."""
+        return f"{self.prefix}:gateway:rate:{key_id}"
+
+    def gateway_wake(self, hub_id: str) -> str:
+        """Stream: wakes one gateway process's reader when it follows a new job."""
+        return f"{self.prefix}:gateway:wake:{hub_id}"

@@ -121,7 +121,8 @@ class RedactFilter(logging.Filter):
 
 
 def secrets_of(settings: Settings) -> list[str]:
-    """Every secret value the settings hold: API keys, upstream headers, Redis password."""
+    """Every secret value the settings hold: API keys (upstreams', the gateway's), upstream
+    headers, the Redis password."""
     found: list[str] = []
     if settings.upstream_api_key is not None:
         found.append(settings.upstream_api_key.get_secret_value())
@@ -133,6 +134,8 @@ def secrets_of(settings: Settings) -> list[str]:
             for name, value in upstream.headers.items()
             if name.lower() in {"authorization", "x-api-key", "api-key"}
         )
+    if settings.gateway_api_keys is not None:
+        found.extend(k.strip() for k in settings.gateway_api_keys.get_secret_value().split(","))
     url = urlsplit(settings.redis_url)
     passwords = [url.password or ""]
     passwords += [v for k, v in parse_qsl(url.query) if k.lower() in {"password", "ssl_password"}]

@@ -66,7 +66,7 @@ from typing import Any, NamedTuple
 
 import uvicorn
 
-from worker.embedded_server import EmbeddedServer, bind
+from worker.embedded_server import EmbeddedServer, bind, served
 
 __all__ = [
     "FAULTS",
@@ -784,19 +784,11 @@ async def serve_mock(
         app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
     )
     server = EmbeddedServer(uv_config, name="mock-upstream", grace=2.0)
-    try:
-        task = await server.start(sock)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        bound = sock.getsockname()[1]
-        yield f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
-    finally:
-        app.abort_streams()
-        server.stop_requested.set()
-        await task
-        sock.close()
+    async with served(server, sock) as bound:
+        try:
+            yield f"http://{f'[{host}]' if ':' in host else host}:{bound}/v1"
+        finally:
+            app.abort_streams()
 
 
 _CONFIG_ENV = "CHATSTREAM_MOCK_CONFIG"

@@ -6,10 +6,10 @@ Redis, logs or error messages.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from worker.errors import ConfigError, UnknownUpstreamError
 
@@ -188,6 +188,55 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level."
     )
+
+    gateway_host: str = Field("127.0.0.1", description="Address `chatstream gateway` listens on.")
+    gateway_port: int = Field(8300, ge=0, le=65_535, description="Port of `chatstream gateway`.")
+    gateway_api_keys: SecretStr | None = Field(
+        None,
+        description="The gateway's API keys, comma-separated; an entry `sha256:<hex>` is the "
+        "SHA-256 of a key, so the key itself need not be stored. Required by the gateway.",
+    )
+    gateway_max_body_bytes: int = Field(
+        1_048_576, ge=1024, description="Largest request body the gateway accepts (413 beyond)."
+    )
+    gateway_max_streams_per_key: int = Field(
+        64,
+        ge=1,
+        description="Open event streams and waiting requests per API key and gateway process "
+        "(429 beyond).",
+    )
+    gateway_jobs_per_minute: int = Field(
+        120,
+        ge=0,
+        description="Jobs one API key may create per minute, across gateway processes "
+        "(429 beyond; 0: no limit).",
+    )
+    gateway_max_connections: int = Field(
+        4_000,
+        ge=1,
+        description="Open event streams and waiting requests per gateway process (503 beyond).",
+    )
+    gateway_cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Origins allowed to call the gateway from a browser, comma-separated "
+        "(empty: CORS off).",
+    )
+    gateway_keepalive_seconds: float = Field(
+        15.0, gt=0, description="A keep-alive comment goes to an idle event stream this often."
+    )
+    gateway_send_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="An event stream whose client accepts no bytes for this long is closed, "
+        "seconds.",
+    )
+
+    @field_validator("gateway_cors_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [origin.strip() for origin in value.split(",") if origin.strip()]
+        return value
 
     @model_validator(mode="after")
     def _default_upstream_not_shadowed(self) -> Settings:

@@ -1,0 +1,110 @@
+"""The page at ``/`` in a real headless Chromium (Debian's ``chromium``, driven by Playwright).
+
+The page's Content-Security-Policy forbids eval, so the test waits with Playwright's
+``expect`` (which runs in its own isolated world) rather than ``wait_for_function``.
+
+The reply renders live through ``EventSource``; a reload in the middle of the reply
+resumes after the last entry the page applied, without repeating or losing text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from playwright.async_api import Browser, Page, async_playwright, expect
+from redis.asyncio import Redis
+
+from schemas.jobs import JobStatus
+from tests.gateway_env import KEY, GatewayEnv, running_gateway
+from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
+from worker.settings import Settings
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+HAVE_CHROMIUM = os.path.exists(CHROMIUM)
+# headless as root in a closed network: no sandbox (needs user namespaces), nothing that
+# phones home
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-dev-shm-usage",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--disable-sync",
+    "--no-first-run",
+    "--no-default-browser-check",
+]
+SLOW = MockConfig(tokens=60, rate=25.0, words="streams survive reloads because Redis keeps them")
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    if not HAVE_CHROMIUM:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs Debian's chromium (.ci/run installs it)")
+        pytest.skip("needs chromium (apt-get install chromium)")
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        await browser.close()
+
+
+@pytest.fixture
+async def gw(settings: Settings, redis: Redis) -> AsyncIterator[GatewayEnv]:
+    app = MockUpstream(SLOW)
+    async with (
+        serve_mock(app=app) as url,
+        running_gateway(settings, redis, (app, url)) as env,
+    ):
+        yield env
+
+
+async def text(page: Page, selector: str) -> str:
+    return await page.text_content(selector) or ""
+
+
+async def test_the_page_streams_the_reply_and_a_reload_resumes_it(
+    gw: GatewayEnv, browser: Browser
+) -> None:
+    page = await browser.new_page()
+    events_urls: list[str] = []
+    page.on("request", lambda r: events_urls.append(r.url) if "/events" in r.url else None)
+    await page.goto(f"{gw.url}/#key={KEY}&model=mock-model")
+    assert "#" not in page.url  # the key left the address bar
+    await page.fill("#prompt", "Why do streams survive a reload?")
+    await page.click("#send")
+    await expect(page.locator("#reply")).to_have_text(re.compile(".{40}"))
+    before = await text(page, "#reply")
+    job_id = (await text(page, "#status")).split("job ")[-1].rstrip(")")
+    assert (await gw.client.get(job_id)).status is JobStatus.RUNNING  # mid-reply
+
+    await page.reload()
+    assert (await text(page, "#reply")).startswith(before)  # kept across the reload
+    await expect(page.locator("#status")).to_have_text(re.compile("^done"), timeout=30_000)
+    record = await gw.client.get(job_id)
+    reply = expected_reply({"messages": []}, SLOW)
+    assert await text(page, "#reply") == reply == record.content  # no repeat, no gap
+    assert await text(page, "#status") == "done (stop)"
+
+    first, resumed = events_urls[0], events_urls[-1]
+    assert parse_qs(urlsplit(first).query)["after"] == ["0-0"]
+    after = parse_qs(urlsplit(resumed).query)["after"][0]
+    rows: Any = await gw.redis.xrange(gw.client.keys.events(job_id), min=f"({after}", max="+")
+    assert after != "0-0" and any(fields["type"] == "delta" for _, fields in rows)
+    await page.close()
+
+
+async def test_the_page_shows_a_refusal(gw: GatewayEnv, browser: Browser) -> None:
+    page = await browser.new_page()
+    await page.goto(f"{gw.url}/#key=sk-wrong&model=mock-model")
+    await page.fill("#prompt", "hello")
+    await page.click("#send")
+    await expect(page.locator("#status")).to_have_text("error: invalid API key")
+    await page.close()

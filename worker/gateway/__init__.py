@@ -1,0 +1,22 @@
+"""The HTTP gateway (``chatstream gateway``): OpenAI-compatible in, resumable streams out.
+
+=================== ====================================================================
+``routes``          the endpoints and ``create_app()`` (Starlette)
+``app``             the gateway's state and logic: auth, job creation, replies
+``openai_format``   job events and records as OpenAI chunks and completions (pure)
+``hub``             one Redis reader per process fanning job streams out to clients
+``responses``       the SSE response: writes frames, watches the client, times out stalls
+``auth``            API keys (constant-time), key ids, events tokens
+``limits``          open streams per key and process, jobs per minute per key (Redis)
+``page``            the page at ``/`` (``static/``)
+``server``          serving it with uvicorn
+``demo``            ``chatstream demo --gateway``
+=================== ====================================================================
+
+See docs/gateway.md.
+"""
+
+from worker.gateway.routes import create_app
+from worker.gateway.server import run_gateway, serve_gateway
+
+__all__ = ["create_app", "run_gateway", "serve_gateway"]

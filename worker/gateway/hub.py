@@ -1,0 +1,365 @@
+"""Live reads of many jobs' events streams through one Redis reader per gateway process.
+
+Every open event stream of the gateway needs its job's entries as they are written.
+Rather than one blocking ``XREAD`` per HTTP client (a Redis connection each, held for the
+whole reply), one ``EventHub`` task reads every followed stream with one multi-key
+``XREAD BLOCK`` and hands the entries to the clients following each job. A client
+(``JobFeed``) first catches up with ``XRANGE``, which costs the hub nothing, then follows:
+
+* No gap, no duplicate: ``follow()`` runs without awaiting. When the hub already reads the
+  job past the client's cursor, the client reads that gap with ``XRANGE`` itself; entries
+  the hub hands it at or before its cursor are dropped.
+* A slow client never holds anyone up: the hub appends to the client's own buffer and
+  never waits for it. A client whose buffer passes ``max_backlog`` entries is dropped from
+  the hub and catches up from Redis again, so memory stays bounded.
+* A newly followed job wakes the hub's blocked read: an ``XADD`` to the hub's own wake
+  stream (a key under the prefix, so an ACL user limited to the prefix works).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from worker.errors import JobNotFoundError
+from worker.keys import Keys
+from worker.tasks import Backoff
+
+log = logging.getLogger("chatstream.gateway")
+
+Row = tuple[str, dict[str, str]]
+TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
+RANGE_COUNT = 500  # entries per XRANGE page
+READ_COUNT = 500  # entries per stream per XREAD
+WAKE_TTL_SECONDS = 3600
+# Successive XREADs start at least this far apart. An idle hub is blocked in XREAD and
+# hands an entry on at once; a busy one gets many entries per read instead of one (each
+# read re-sends every followed key and costs a round trip): at most this much added delay.
+MIN_READ_INTERVAL = 0.005
+
+
+def id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def is_terminal(row: Row) -> bool:
+    return row[1].get("type") in TERMINAL_TYPES
+
+
+def _streams(reply: Any) -> list[tuple[str, Any]]:
+    """XREAD's reply as (key, entries) pairs (RESP2 gives a list, RESP3 a dict)."""
+    if not reply:
+        return []
+    return list(reply.items()) if isinstance(reply, dict) else [(k, r) for k, r in reply]
+
+
+def _bulk(text: str) -> bytes:
+    data = text.encode()
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+class ReadCommand:
+    """``XREAD COUNT c BLOCK ms STREAMS <keys> <ids>``, packed by hand and kept up to date.
+
+    redis-py builds and packs the arguments anew for every call, about 2 us per key: with
+    thousands of followed jobs and a read every few milliseconds that alone is more than a
+    core. Here each key and id is encoded once, when it changes, and a read joins them.
+    """
+
+    def __init__(self, count: int, block_ms: int) -> None:
+        self._options = b"".join(
+            _bulk(part) for part in ("XREAD", "COUNT", str(count), "BLOCK", str(block_ms))
+        )
+        self._keys: dict[str, bytes] = {}  # both dicts share one order: keys and ids align
+        self._ids: dict[str, bytes] = {}
+
+    def set(self, key: str, entry_id: str) -> None:
+        if key not in self._keys:
+            self._keys[key] = _bulk(key)
+        self._ids[key] = _bulk(entry_id)
+
+    def drop(self, key: str) -> None:
+        del self._keys[key], self._ids[key]
+
+    def packed(self) -> bytes:
+        head = b"*%d\r\n" % (6 + 2 * len(self._keys))
+        keys, ids = b"".join(self._keys.values()), b"".join(self._ids.values())
+        return b"".join((head, self._options, b"$7\r\nSTREAMS\r\n", keys, ids))
+
+
+def _rows(entries: Any) -> list[Row]:
+    """A raw XREAD stream's entries ``[id, [field, value, ...]]`` as rows."""
+    rows: list[Row] = []
+    for entry_id, fields in entries:
+        flat = fields or []
+        rows.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+    return rows
+
+
+class Follower:
+    """One client's place in the hub: the entries handed to it, not yet taken."""
+
+    __slots__ = ("backlog", "gap_end", "key", "overflowed", "ready")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.backlog: list[Row] = []
+        self.ready = asyncio.Event()
+        self.overflowed = False
+        self.gap_end: str | None = None
+
+    def take(self, after: str) -> list[Row]:
+        """The buffered entries after ``after``, in order."""
+        rows, self.backlog = self.backlog, []
+        self.ready.clear()
+        if rows and id_tuple(rows[0][0]) <= id_tuple(after):
+            cursor = id_tuple(after)
+            rows = [row for row in rows if id_tuple(row[0]) > cursor]
+        return rows
+
+
+class EventHub:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        *,
+        block_ms: int = 2_000,
+        max_backlog: int = 2_000,
+        min_interval: float = MIN_READ_INTERVAL,
+    ) -> None:
+        self.redis = redis
+        self.block_ms = block_ms
+        self.min_interval = min_interval
+        self.max_backlog = max_backlog
+        self.wake_key = keys.gateway_wake(uuid.uuid4().hex[:16])
+        self._last: dict[str, str] = {}  # followed key -> the last entry id the hub read
+        self._command = ReadCommand(READ_COUNT, block_ms)
+        self._command.set(self.wake_key, "0-0")
+        self._connection: Any = None  # the hub's own: its XREAD blocks
+        self._followers: dict[str, set[Follower]] = {}
+        self._reading = False
+        self._wake_sent = False
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def followed(self) -> int:
+        return len(self._last)
+
+    def follow(self, key: str, cursor: str) -> Follower:
+        """Hand ``key``'s entries after ``cursor`` to a new follower from now on."""
+        follower = Follower(key)
+        last = self._last.get(key)
+        if last is None:
+            self._last[key] = cursor
+            self._command.set(key, cursor)
+            self._followers[key] = {follower}
+            self._wake()
+        else:
+            self._followers[key].add(follower)
+            if id_tuple(last) > id_tuple(cursor):
+                follower.gap_end = last
+        return follower
+
+    def unfollow(self, follower: Follower) -> None:
+        followers = self._followers.get(follower.key)
+        if followers is None:
+            return
+        followers.discard(follower)
+        if not followers:
+            del self._followers[follower.key]
+            del self._last[follower.key]
+            self._command.drop(follower.key)
+
+    async def run(self) -> None:
+        """Read and hand out entries until cancelled; Redis errors are retried."""
+        backoff = Backoff(first=0.05, cap=2.0)
+        loop = asyncio.get_running_loop()
+        started = 0.0
+        while True:
+            if not self._last:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            pause = started + self.min_interval - loop.time()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            started = loop.time()
+            try:
+                await self._read_once()
+                backoff.reset()
+            except RedisError as exc:
+                log.warning("gateway: reading job streams failed (%s); retrying", exc)
+                await backoff.pause()
+
+    async def _read_once(self) -> None:
+        before = dict(self._last)
+        self._reading, self._wake_sent = True, False
+        try:
+            reply = await self._xread(self._command.packed())
+        finally:
+            self._reading = False
+        for key, entries in _streams(reply):
+            if key == self.wake_key:
+                self._command.set(key, entries[-1][0])
+            elif entries and key in before and self._last.get(key) == before[key]:
+                self._deliver(key, _rows(entries))  # (unless unfollowed or re-followed)
+
+    async def _xread(self, packed: bytes) -> Any:
+        """One XREAD on the hub's own connection (made like the pool's, reconnected after
+        any failure); the reply as Redis sent it."""
+        connection = self._connection
+        if connection is None:
+            pool = self.redis.connection_pool
+            connection = self._connection = pool.connection_class(**pool.connection_kwargs)
+        try:
+            await connection.send_packed_command(packed)
+            return await connection.read_response()
+        except BaseException:
+            self._connection = None
+            with contextlib.suppress(Exception):
+                await connection.disconnect()
+            raise
+
+    def _deliver(self, key: str, rows: list[Row]) -> None:
+        self._last[key] = rows[-1][0]
+        self._command.set(key, rows[-1][0])
+        for follower in list(self._followers[key]):
+            if len(follower.backlog) + len(rows) > self.max_backlog:
+                follower.overflowed = True
+                follower.backlog = []
+                self.unfollow(follower)
+            else:
+                follower.backlog.extend(rows)
+            follower.ready.set()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        if self._reading and not self._wake_sent:
+            self._wake_sent = True
+            task = asyncio.create_task(self._send_wake())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send_wake(self) -> None:
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1, approximate=False)
+                pipe.expire(self.wake_key, WAKE_TTL_SECONDS)
+                await pipe.execute()
+        except RedisError as exc:  # the blocked read ends by itself within block_ms
+            log.warning("gateway: waking the stream reader failed (%s)", exc)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                await self._connection.disconnect()
+            self._connection = None
+        with contextlib.suppress(RedisError):
+            await self.redis.delete(self.wake_key)
+
+
+class JobFeed:
+    """One client's read of one job's events: from ``after``, live, to the terminal entry.
+
+    ``batches()`` yields lists of entries; an empty list when nothing came for
+    ``idle_seconds`` (time for a keep-alive). ``ended``: the job's record was terminal
+    before the read began, so its stream is complete and nothing is followed live. Raises
+    JobNotFoundError when the job's record disappears (expired) while the feed waits.
+    """
+
+    def __init__(
+        self,
+        hub: EventHub,
+        keys: Keys,
+        job_id: str,
+        *,
+        after: str = "0-0",
+        ended: bool = False,
+        idle_seconds: float = 15.0,
+    ) -> None:
+        self.hub = hub
+        self.redis = hub.redis
+        self.key = keys.events(job_id)
+        self.record_key = keys.job(job_id)
+        self.job_id = job_id
+        self.cursor = after
+        self.ended = ended
+        self.idle_seconds = idle_seconds
+
+    async def batches(self) -> AsyncGenerator[list[Row], None]:
+        while True:
+            async for rows in self._history():
+                yield rows
+                if is_terminal(rows[-1]):
+                    return
+            if self.ended:
+                return
+            follower = self.hub.follow(self.key, self.cursor)
+            try:
+                async for rows in self._live(follower):
+                    yield rows
+                    if rows and is_terminal(rows[-1]):
+                        return
+            finally:
+                self.hub.unfollow(follower)
+            # the follower overflowed (this client fell behind): catch up from Redis
+
+    async def _history(self, until: str = "+") -> AsyncIterator[list[Row]]:
+        """Every entry after the cursor (up to ``until``), in pages; stops at a terminal one."""
+        while True:
+            rows: Any = await self.redis.xrange(
+                self.key, min=f"({self.cursor}", max=until, count=RANGE_COUNT
+            )
+            if not rows:
+                return
+            rows = _through_terminal(rows)
+            self.cursor = rows[-1][0]
+            yield rows
+            if len(rows) < RANGE_COUNT or is_terminal(rows[-1]):
+                return
+
+    async def _live(self, follower: Follower) -> AsyncIterator[list[Row]]:
+        if follower.gap_end is not None:
+            async for rows in self._history(until=follower.gap_end):
+                yield rows
+                if is_terminal(rows[-1]):
+                    return
+        while not follower.overflowed:
+            if not follower.backlog:
+                try:
+                    async with asyncio.timeout(self.idle_seconds):
+                        await follower.ready.wait()
+                except TimeoutError:
+                    await self._check_record()
+                    yield []
+                    continue
+            rows = follower.take(self.cursor)
+            if rows:
+                rows = _through_terminal(rows)
+                self.cursor = rows[-1][0]
+                yield rows
+
+    async def _check_record(self) -> None:
+        if not await self.redis.exists(self.record_key):
+            raise JobNotFoundError(f"job {self.job_id!r} expired while it was being read")
+
+
+def _through_terminal(rows: list[Row]) -> list[Row]:
+    """The rows up to and including the first terminal one (nothing follows it)."""
+    for index, row in enumerate(rows):
+        if is_terminal(row):
+            return rows[: index + 1]
+    return rows

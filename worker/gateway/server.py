@@ -1,0 +1,75 @@
+"""Serving the gateway with uvicorn in a running event loop: ``chatstream gateway`` (until
+SIGINT / SIGTERM, then exit 0), the demo, the tests and the benchmark."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import uvicorn
+from redis.asyncio import Redis
+
+from worker.embedded_server import EmbeddedServer, bind, served
+from worker.gateway.routes import create_app
+from worker.settings import Settings
+
+log = logging.getLogger("chatstream.gateway")
+
+# open event streams get this long to end when the server stops; clients then resume
+SHUTDOWN_GRACE_SECONDS = 2
+
+
+def _config(settings: Settings, redis: Redis | None) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(settings, redis),
+        lifespan="on",
+        log_config=None,  # chatstream's logging (worker/logs.py) stays as configured
+        access_log=False,  # an access line would show events tokens in query strings
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+        backlog=4096,
+    )
+
+
+async def run_gateway(settings: Settings) -> int:
+    """Serve until SIGINT / SIGTERM, then stop gracefully (exit status 0)."""
+    async with serve_gateway(settings) as url:
+        log.info("gateway listening on %s", url)
+        await until_signalled()
+        log.info("gateway stopping")
+    return 0
+
+
+async def until_signalled() -> None:
+    """Returns on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(
+    settings: Settings,
+    redis: Redis | None = None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+) -> AsyncIterator[str]:
+    """The gateway in this event loop; yields its base URL (``http://127.0.0.1:PORT``)."""
+    host = settings.gateway_host if host is None else host
+    sock = bind(host, settings.gateway_port if port is None else port, backlog=4096)
+    server = EmbeddedServer(_config(settings, redis), name="gateway", grace=SHUTDOWN_GRACE_SECONDS)
+    async with served(server, sock) as bound:
+        yield _base_url(host, bound)
+
+
+def _base_url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
