@@ -15,101 +15,27 @@ import shutil
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
-from schemas.events import EventType, StreamEvent
-from schemas.jobs import JobRecord
 from tests.conftest import RedisServer, chat
 from tests.support import (
-    CHATSTREAM,
+    TERMINAL,
     WorkerProcesses,
-    after_last_reset,
-    check_stream,
-    clean_env,
+    all_terminal,
+    check_all,
     eventually,
-    merge_deltas,
+    mock_process,
     needs_redis_server,
-    queue_is_drained,
-    stream_entries,
+    statuses,
     worker_env,
 )
 from worker.client import Client, redis_from_settings
 from worker.keys import Keys
-from worker.mock_upstream import MockConfig, expected_reply
 from worker.settings import Settings
-
-MOCK = MockConfig(tokens=64)  # `chatstream mock-upstream`'s default server config
-TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-@asynccontextmanager
-async def mock_process(directory: Path) -> AsyncIterator[str]:
-    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU)."""
-    process = await asyncio.create_subprocess_exec(
-        CHATSTREAM,
-        "mock-upstream",
-        "--port",
-        "0",
-        env=clean_env(),
-        cwd=directory,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        assert process.stdout is not None
-        line = await asyncio.wait_for(process.stdout.readline(), 20)
-        yield line.decode().rsplit(" ", 1)[-1].strip()
-    finally:
-        process.kill()
-        await process.wait()
-
-
-async def statuses(redis: Redis, keys: Keys, ids: list[str]) -> list[str | None]:
-    pipe = redis.pipeline(transaction=False)
-    for job_id in ids:
-        pipe.hget(keys.job(job_id), "status")
-    result: list[str | None] = await pipe.execute()
-    return result
-
-
-async def all_terminal(redis: Redis, keys: Keys, ids: list[str]) -> bool:
-    try:
-        return all(status in TERMINAL for status in await statuses(redis, keys, ids))
-    except RedisError:  # Redis is being restarted
-        return False
-
-
-def check_job(request: dict[str, Any], record: JobRecord, events: list[StreamEvent]) -> None:
-    """Succeeded once, exactly the expected content, the stream agreeing with the record."""
-    assert record.status == "succeeded", (record.id, record.error)
-    assert record.content == expected_reply(request, MOCK), record.id
-    check_stream(events, record)  # one terminal entry, last; merged deltas == record
-    resets = [e for e in events if e.type is EventType.RESET]
-    assert len(resets) == record.attempt - 1, record.id  # one per rerun, no more
-    assert {e.attempt for e in after_last_reset(events)} == {record.attempt}, record.id
-    assert merge_deltas(after_last_reset(events)).content == record.content
-
-
-async def check_all(
-    redis: Redis, keys: Keys, requests: list[dict[str, Any]], ids: list[str]
-) -> list[JobRecord]:
-    client = Client(redis, prefix=keys.prefix)
-    records = []
-    for request, job_id in zip(requests, ids, strict=True):
-        record = await client.get(job_id)
-        check_job(request, record, await stream_entries(redis, keys, job_id))
-        records.append(record)
-    assert await queue_is_drained(redis, keys)
-    assert await redis.xlen(keys.dead) == 0
-    return records
-
 
 # -- workers killed -----------------------------------------------------------------------
 

@@ -81,25 +81,37 @@ end
 return {'started', attempt, cur[4] or '', cur[5] or 'default'}
 """
 
+# Results of DELTA and FINISH, as the publisher reads them.
+WRITTEN, ALREADY, STALE, NOT_YET = 1, 0, -1, -2
+
 # KEYS: record, events. ARGV: attempt, seq, data, retention.
+# Entries land in sequence order and never twice: 1 written; 0 this number was written before
+# (a retry after a lost reply); -1 stale (not the current running attempt, or no record);
+# -2 not yet (an earlier number is not written: the caller sends it again, then this one).
 DELTA = """
 local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status', 'seq')
 if cur[1] ~= ARGV[1] or cur[2] ~= 'running' then return -1 end
-if tonumber(cur[3] or '0') >= tonumber(ARGV[2]) then return 0 end
+local last, seq = tonumber(cur[3] or '0'), tonumber(ARGV[2])
+if seq <= last then return 0 end
+if seq > last + 1 then return -2 end
 redis.call('XADD', KEYS[2], '*', 'type', 'delta', 'attempt', ARGV[1], 'data', ARGV[3])
 redis.call('HSET', KEYS[1], 'seq', ARGV[2])
 if ARGV[2] == '1' then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
 return 1
 """
 
-# KEYS: record, events. ARGV: attempt, event type, event data, retention, field/value pairs.
+# KEYS: record, events. ARGV: attempt, last seq, event type, event data, retention,
+# field/value pairs. The terminal write lands only after the attempt's last delta entry:
+# 1 written; 0 the job is already terminal (a retried write found its first one applied);
+# -1 stale; -2 not yet (a delta entry is missing: the caller sends it again first).
 FINISH = """
-local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status')
+local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status', 'seq')
 if cur[1] ~= ARGV[1] then return -1 end
 if cur[2] ~= 'running' then return (cur[2] == 'queued') and -1 or 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
-redis.call('XADD', KEYS[2], '*', 'type', ARGV[2], 'attempt', ARGV[1], 'data', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
+if tonumber(cur[3] or '0') < tonumber(ARGV[2]) then return -2 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'attempt', ARGV[1], 'data', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5]); redis.call('EXPIRE', KEYS[2], ARGV[5])
 return 1
 """
 
@@ -203,8 +215,12 @@ class Records:
         args = (attempt, seq, data, self.retention)
         pipe.evalsha(self.delta_script.sha, 2, *self.job_keys(job_id), *args)
 
-    def queue_finish(self, pipe: Any, job_id: str, attempt: int, args: list[Any]) -> None:
-        pipe.evalsha(self.finish_script.sha, 2, *self.job_keys(job_id), attempt, *args)
+    def queue_finish(
+        self, pipe: Any, job_id: str, attempt: int, last_seq: int, args: list[Any]
+    ) -> None:
+        """Add the fenced terminal write, after the attempt's delta ``last_seq``."""
+        keys = self.job_keys(job_id)
+        pipe.evalsha(self.finish_script.sha, 2, *keys, attempt, last_seq, *args)
 
     async def create(self, job_id: str, fields: dict[str, str]) -> str:
         """Create the record unless it exists: ``created``, ``exists`` or ``unqueued``."""
