@@ -66,7 +66,7 @@ async def setup(settings: Settings, redis: Redis) -> tuple[Refusing, Publisher, 
 
 async def started(records: Records, client: Client) -> tuple[str, int]:
     job_id = await client.enqueue(chat("p"))
-    start = await records.start(job_id, "w", 3, "1-1")
+    start = await records.start(job_id, "w", 3, "1-1", delivery=1)
     return job_id, start.attempt
 
 
@@ -170,7 +170,7 @@ async def test_a_superseded_attempt_stops_publishing(
     records.refuse[(job_id, 1)] = 1
     publisher.publish(stream, Delta(role="assistant", content="old"))
     await round_trip(publisher)  # refused
-    await records.start(job_id, "w2", 3, "1-1")  # taken over meanwhile
+    await records.start(job_id, "w2", 3, "1-1", delivery=2)  # taken over meanwhile
     await round_trip(publisher)
     assert stream.stale and stream.unconfirmed == []
     assert await publisher.finish(stream, done("old")) is False

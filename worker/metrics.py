@@ -2,8 +2,9 @@
 
     GET /metrics   the worker's registry (Prometheus text, or OpenMetrics when asked)
     GET /healthz   200 while the process's event loop answers
-    GET /readyz    200 when Redis answers PING, the event loop is not lagging and the worker
-                   is not shutting down; else 503 with {"ready": false, "reason": ...}
+    GET /readyz    200 when Redis answers PING, the event loop is not lagging, the worker can
+                   read its queue and is not shutting down; else 503 with
+                   {"ready": false, "reason": ...}
 
 Served by uvicorn inside the worker's event loop on ``settings.metrics_port`` (``None``:
 off, ``0``: a free port). Each :class:`Worker` has its own ``CollectorRegistry``, so
@@ -18,8 +19,8 @@ Metrics (all prefixed ``chatstream_``): ``jobs_total{status}``, ``jobs_in_flight
 ``queue_depth``, ``queue_pending``, ``dead_letters``, ``queue_wait_seconds``,
 ``time_to_first_token_seconds``, ``deltas_per_second``, ``job_duration_seconds{status}``,
 ``retries_total{stage}``, ``reclaims_total``, ``upstream_errors_total{code}``,
-``publish_seconds``, ``publish_batch_size``, ``event_loop_lag_seconds``; plus the
-standard ``process_*`` metrics.
+``publish_seconds``, ``publish_batch_size``, ``event_loop_lag_seconds``,
+``jobs_missing_total``; plus the standard ``process_*`` metrics.
 """
 
 from __future__ import annotations
@@ -190,6 +191,11 @@ class Metrics:
             "How late the event loop woke up in the last sample",
             registry=r,
         )
+        self.missing = Counter(
+            "chatstream_jobs_missing",
+            "Queue entries and running jobs whose record was gone (expired, or Redis lost it)",
+            registry=r,
+        )
 
     # -- observations ------------------------------------------------------------------
 
@@ -202,6 +208,9 @@ class Metrics:
             self.first_token.observe(first - timing.started)
             if timing.deltas > 1 and now > first:
                 self.delta_rate.observe((timing.deltas - 1) / (now - first))
+
+    def job_missing(self) -> None:
+        self.missing.inc()
 
     def job_failed_unstarted(self) -> None:
         """A job the runner failed without running it (attempts exhausted)."""
@@ -251,10 +260,17 @@ class Metrics:
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` for one worker (an ASGI app and its server)."""
 
-    def __init__(self, metrics: Metrics, redis: Redis, stopping: asyncio.Event) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        redis: Redis,
+        stopping: asyncio.Event,
+        cannot_consume: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.metrics = metrics
         self.redis = redis
         self.stopping = stopping
+        self.cannot_consume = cannot_consume  # why the worker cannot read its queue, or None
         self.lag = 0.0
         self.port = 0
         self._metrics_app = make_asgi_app(metrics.registry)
@@ -311,6 +327,8 @@ class MetricsServer:
                 await self.redis.ping()
         except (RedisError, OSError, TimeoutError) as exc:
             return f"redis unreachable: {type(exc).__name__}: {str(exc)[:200]}"
+        if (problem := self.cannot_consume()) is not None:
+            return f"cannot read the queue: {problem[:200]}"
         return None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:

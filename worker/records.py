@@ -34,14 +34,18 @@ return 'created'
 
 # KEYS: record, events. ARGV: worker, now, max_attempts, retention, queue entry ('' = the
 # attempt does not come from a queue entry: no duplicate check, the entry field is kept),
-# start token (unique per call: the same call retried after a lost reply starts nothing new).
+# delivery (the entry's delivery count; '' = unknown), start token (unique per call: the same
+# call retried after a lost reply starts nothing new), restart of (an attempt number: a new
+# attempt of the caller's own run, only while that attempt is current; '' otherwise).
 # Attempts count against max_attempts since the last requeue (budget_base), minus releases.
+# A start from the entry the job runs under is a takeover only with a newer delivery: an
+# older one (a reply a frozen worker reads late) is 'superseded' and starts nothing.
 START = """
 local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'request', 'upstream',
-  'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested')
+  'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested', 'delivery')
 if not cur[1] then return {'missing'} end
 local attempt = tonumber(cur[2] or '0')
-if cur[1] == 'running' and cur[9] == ARGV[6] then
+if cur[1] == 'running' and cur[9] == ARGV[7] then
   return {'started', attempt, cur[4] or '', cur[5] or 'default'}
 end
 if cur[1] ~= 'queued' and cur[1] ~= 'running' then
@@ -55,7 +59,13 @@ if cur[1] == 'queued' and cur[10] == '1' then
   redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
   return {'terminal', attempt, ''}
 end
-if cur[1] == 'running' and ARGV[5] ~= '' and cur[6] and cur[6] ~= ARGV[5] then
+if ARGV[8] ~= '' then
+  if cur[1] ~= 'running' or tostring(attempt) ~= ARGV[8] then return {'superseded', attempt} end
+elseif ARGV[5] ~= '' and cur[6] == ARGV[5] then
+  if ARGV[6] ~= '' and tonumber(ARGV[6]) <= tonumber(cur[11] or '0') then
+    return {'superseded', attempt}
+  end
+elseif ARGV[5] ~= '' and cur[1] == 'running' and cur[6] then
   return {'busy', attempt}
 end
 attempt = attempt + 1
@@ -71,8 +81,9 @@ if used > tonumber(ARGV[3]) then
   return {'exhausted', attempt - 1, '1'}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'attempt', attempt, 'worker', ARGV[1],
-  'started_at', ARGV[2], 'seq', 0, 'start_token', ARGV[6])
+  'started_at', ARGV[2], 'seq', 0, 'start_token', ARGV[7])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'entry', ARGV[5]) end
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'delivery', ARGV[6]) end
 if attempt > 1 then
   redis.call('XADD', KEYS[2], '*', 'type', 'reset', 'attempt', tostring(attempt),
     'data', cjson.encode({reason='attempt ' .. attempt .. ' starts; earlier deltas are void'}))
@@ -179,7 +190,7 @@ def dumps(value: Any) -> str:
 class Started:
     """The outcome of trying to start an attempt of a job."""
 
-    state: str  # started | missing | terminal | busy | exhausted
+    state: str  # started | missing | terminal | busy | superseded | exhausted
     attempt: int = 0
     request: str = ""
     upstream: str = "default"
@@ -232,17 +243,38 @@ class Records:
         await self.redis.hset(self.keys.job(job_id), "queue_entry", entry_id)
 
     async def start(
-        self, job_id: str, worker: str, max_attempts: int, entry: str = "", token: str = ""
+        self,
+        job_id: str,
+        worker: str,
+        max_attempts: int,
+        entry: str = "",
+        token: str = "",
+        *,
+        delivery: int | None = None,
+        restart_of: int | None = None,
     ) -> Started:
         """Start the next attempt (fenced: every earlier attempt's writes are refused).
 
         ``entry`` is the queue entry the attempt runs under: while the job runs under
         another entry, a duplicate entry is refused (``busy``), so at most one attempt runs.
+        ``delivery`` is that entry's delivery count: a start from the entry the job already
+        runs under is a takeover only with a higher count, else ``superseded`` (a stale
+        delivery never replaces a live attempt). ``restart_of`` starts a new attempt of the
+        caller's own run, only while that attempt is current (else ``superseded``).
         ``token`` identifies this start: pass the same one when retrying it after an error
         (the reply may have been lost after the start happened) to get the same attempt.
         """
         now, token = f"{time.time():.6f}", token or secrets.token_hex(8)
-        args: list[str | int] = [worker, now, max_attempts, self.retention, entry, token]
+        args: list[str | int] = [
+            worker,
+            now,
+            max_attempts,
+            self.retention,
+            entry,
+            "" if delivery is None else delivery,
+            token,
+            "" if restart_of is None else restart_of,
+        ]
         result = await self._start(keys=self.job_keys(job_id), args=args)
         state = as_text(result[0])
         if state == "started":

@@ -70,7 +70,19 @@ class Settings(BaseSettings):
         30.0,
         gt=0,
         description="Lease on a running job, renewed every lease/3; a job whose worker "
-        "stopped renewing is taken over after this long.",
+        "stopped renewing is taken over after this long (sooner when its heartbeat stops).",
+    )
+    heartbeat_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="How often a worker writes its heartbeat and looks for workers whose "
+        "heartbeat stopped.",
+    )
+    heartbeat_timeout: float = Field(
+        3.0,
+        gt=0,
+        description="A worker silent this long is dead: its jobs are taken over at once and "
+        "rerun (a live worker's event loop may stall for less without losing its jobs).",
     )
     retention_seconds: int = Field(
         86_400,
@@ -164,6 +176,12 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level."
     )
+
+    @model_validator(mode="after")
+    def _heartbeat_outlives_its_interval(self) -> Settings:
+        if self.heartbeat_timeout < 2 * self.heartbeat_seconds:
+            raise ValueError("heartbeat_timeout must be at least twice heartbeat_seconds")
+        return self
 
     @model_validator(mode="after")
     def _default_upstream_not_shadowed(self) -> Settings:
