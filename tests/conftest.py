@@ -166,6 +166,7 @@ def settings(redis_server: RedisServer | None, prefix: str) -> Settings:
         concurrency=64,
         lease_seconds=5,
         block_ms=50,
+        retry_attempts=4,  # a bounded budget: the default waits out an outage (test_outage.py)
         retry_initial_backoff=0.01,
         retry_max_backoff=0.05,
         connect_timeout=2,

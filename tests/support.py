@@ -10,10 +10,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import IO, Any
+from unittest import mock
 
 import pytest
 from redis.asyncio import Redis
@@ -22,6 +23,7 @@ from redis.exceptions import RedisError
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord, JobStatus
 from tests.conftest import Harness, RedisServer
+from worker import gate as gate_module
 from worker.accumulator import Delta
 from worker.client import Client
 from worker.keys import GROUP, Keys
@@ -311,3 +313,31 @@ async def check_all(
     assert await queue_is_drained(redis, keys)
     assert await redis.xlen(keys.dead) == 0
     return records
+
+
+class InstantGateWaits:
+    """The upstream gates' clock and waits, replaced: a timed wait returns at once and moves
+    the clock on by its length (recorded in ``waits``); an untimed one waits for real."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def wait_for_change(self, changed: asyncio.Event, timeout: float | None) -> None:
+        if timeout is None:
+            await changed.wait()
+            return
+        self.waits.append(timeout)
+        self.now += max(timeout, 0.0)
+        await asyncio.sleep(0)
+
+    @contextmanager
+    def installed(self) -> Iterator[InstantGateWaits]:
+        with (
+            mock.patch.object(gate_module, "monotonic", self.monotonic),
+            mock.patch.object(gate_module, "wait_for_change", self.wait_for_change),
+        ):
+            yield self

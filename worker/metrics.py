@@ -20,7 +20,8 @@ Metrics (all prefixed ``chatstream_``): ``jobs_total{status}``, ``jobs_in_flight
 ``time_to_first_token_seconds``, ``deltas_per_second``, ``job_duration_seconds{status}``,
 ``retries_total{stage}``, ``reclaims_total``, ``upstream_errors_total{code}``,
 ``publish_seconds``, ``publish_batch_size``, ``event_loop_lag_seconds``,
-``jobs_missing_total``; plus the standard ``process_*`` metrics.
+``jobs_missing_total``, ``upstream_down{upstream}``, ``upstream_waiting_jobs{upstream}``;
+plus the standard ``process_*`` metrics.
 """
 
 from __future__ import annotations
@@ -117,6 +118,40 @@ class QueueGauges:
         ]
 
 
+UpstreamHealth = Callable[[], Iterable[tuple[str, bool, int]]]  # (name, down, jobs waiting)
+
+
+class UpstreamGauges:
+    """A collector reading, at scrape time, which upstreams are down and who waits on them."""
+
+    def __init__(self, health: UpstreamHealth) -> None:
+        self.health = health
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families([])
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(list(self.health()))
+
+    @staticmethod
+    def _families(rows: list[tuple[str, bool, int]]) -> list[Metric]:
+        down = GaugeMetricFamily(
+            "chatstream_upstream_down",
+            "1 while this worker finds the upstream down (retryable failures before the first "
+            "byte; one job probes it, the others wait)",
+            labels=["upstream"],
+        )
+        waiting = GaugeMetricFamily(
+            "chatstream_upstream_waiting_jobs",
+            "Jobs of this worker waiting for the upstream to come back (without a slot)",
+            labels=["upstream"],
+        )
+        for name, is_down, count in rows:
+            down.add_metric([name], 1 if is_down else 0)
+            waiting.add_metric([name], count)
+        return [down, waiting]
+
+
 class Metrics:
     """The worker's metrics, in a registry of its own."""
 
@@ -196,6 +231,10 @@ class Metrics:
             "Queue entries and running jobs whose record was gone (expired, or Redis lost it)",
             registry=r,
         )
+
+    def watch_upstreams(self, health: UpstreamHealth) -> None:
+        """Serve ``upstream_down`` and ``upstream_waiting_jobs`` from ``health()``."""
+        self.registry.register(UpstreamGauges(health))
 
     # -- observations ------------------------------------------------------------------
 

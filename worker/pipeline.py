@@ -5,7 +5,8 @@ request (record) ──▶ upstream SSE bytes ──▶ SSEDecoder ──▶ Acc
                                final message / error ──▶ terminal write (record + event)
 
 Only this module knows the whole chain. Retries: failures before the first byte are
-retried inside ``UpstreamClient``; a retryable failure after it
+retried inside ``UpstreamClient`` (while the upstream is down the job waits there without
+its slot, until the upstream is back or the job's timeout); a retryable failure after it
 (truncated stream, disconnect, idle timeout) is retried here when nothing was published yet,
 or, with ``retry_after_output``, as a new attempt that starts with a ``reset`` event. An
 attempt whose writes the fence refuses (a newer attempt owns the job, or the record is gone)
@@ -37,6 +38,7 @@ from worker.errors import (
     UpstreamTimeoutError,
     retryable,
 )
+from worker.gate import IdleSlot, keep_slot
 from worker.metrics import JobTiming, Metrics
 from worker.publisher import JobStream, Publisher, Terminal
 from worker.records import Records, dumps
@@ -75,6 +77,7 @@ class JobRun:
     timing: JobTiming = field(default_factory=JobTiming)
     opened: bool = False  # the current try got past the upstream's first byte
     acc: Accumulator | None = None  # the current try's output: kept when cancelled
+    idle: IdleSlot = keep_slot  # entered while waiting for a down upstream (frees the slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,7 @@ async def run_job(services: Services, job: JobRun) -> Outcome:
     except ChatstreamError as exc:
         error = exc
     except TimeoutError:
-        error = UpstreamTimeoutError(f"job exceeded {services.settings.job_timeout:g}s")
+        error = _timed_out(services, job)
         final = job.acc.finish() if job.acc is not None else None  # the output so far
     except asyncio.CancelledError:
         if not (job.cancel_requested or job.release_requested):
@@ -109,6 +112,15 @@ async def run_job(services: Services, job: JobRun) -> Outcome:
         partial = job.acc.finish() if job.acc is not None else None
         return await write_terminal(services, job, partial, None, cancelled=True)
     return await write_terminal(services, job, final, error)
+
+
+def _timed_out(services: Services, job: JobRun) -> UpstreamTimeoutError:
+    """The job timeout's error, naming the upstream outage the job was waiting out."""
+    message = f"job exceeded {services.settings.job_timeout:g}s"
+    gate = services.upstream.gates.get(job.upstream)
+    if not job.opened and gate is not None and gate.down:
+        message += f" waiting for upstream {job.upstream!r}, down: {gate.last_error}"
+    return UpstreamTimeoutError(message)
 
 
 def load_request(raw: str, max_bytes: int) -> dict[str, Any]:
@@ -150,7 +162,7 @@ async def stream_once(
     limit = services.settings.max_event_bytes
     decoder = SSEDecoder(limit)
     publisher = services.publisher
-    async with services.upstream.stream(job.upstream, body) as chunks:
+    async with services.upstream.stream(job.upstream, body, idle=job.idle) as chunks:
         job.opened = True
         async for data in chunks:
             fields = (

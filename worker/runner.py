@@ -1,8 +1,9 @@
 """The worker process: startup -> consume -> graceful shutdown.
 
-Slots: at most ``concurrency`` jobs run at once, each an asyncio task. The consumer only
-reads as many queue entries as there are free slots, taking over the entries of dead
-workers first. A heartbeat task writes this worker's heartbeat
+Slots: at most ``concurrency`` jobs run at once, each an asyncio task holding a slot; a job
+waiting for an upstream that is down gives its slot back meanwhile (up to ``max_waiting``
+such jobs). The consumer only reads as many queue entries as there are free slots, taking
+over the entries of dead workers first. A heartbeat task writes this worker's heartbeat
 and finds workers whose heartbeat stopped (``worker/liveness.py``); their entries are taken
 over at once. A maintenance task renews the leases of running jobs, adopts entries
 delivered but never seen, polls cancel flags (a fallback for the pub/sub cancel message)
@@ -20,6 +21,8 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -51,6 +54,8 @@ class Running:
     job: JobRun | None = None  # set once the attempt started
     lost: bool = False
     claimed: bool = False  # checked still ours and fresh (claim_for_start): renewed from then
+    holds_slot: bool = False
+    waiting: bool = False  # for a down upstream, without its slot
 
 
 def _cancel_swallowed() -> bool:
@@ -78,7 +83,7 @@ class Worker:
         self.records = Records(redis, self.keys, settings.retention_seconds)
         self.queue = Queue(redis, self.keys, self.name)
         self.metrics = Metrics()
-        self.metrics.in_flight.set_function(lambda: len(self.running))
+        self.metrics.in_flight.set_function(lambda: len(self.running) - self._waiting)
         self.http: MetricsServer | None = None  # /metrics, /healthz, /readyz
         self.publisher = Publisher(
             redis, self.records, settings.publish_max_batch, on_batch=self.metrics.on_batch
@@ -86,6 +91,7 @@ class Worker:
         self.upstream = upstream or UpstreamClient(
             settings, on_retry=self.metrics.on_upstream_retry
         )
+        self.metrics.watch_upstreams(self._upstream_health)
         self.liveness = Liveness(redis, self.keys, self.name, settings.heartbeat_timeout)
         self.services = Services(
             settings, self.records, self.publisher, self.upstream, self.name, metrics=self.metrics
@@ -93,7 +99,9 @@ class Worker:
         self.running: dict[str, Running] = {}
         self.processed = 0
         self.stopping = asyncio.Event()
+        self.slots = asyncio.Semaphore(settings.concurrency)
         self.cannot_consume: str | None = None  # why the last queue read failed (readyz)
+        self._waiting = 0  # jobs waiting for a down upstream, without a slot
         self._dead: list[str] = []  # workers whose heartbeat stopped, holding entries
         self._slot_freed = asyncio.Event()
         self._pruned_at = time.monotonic()
@@ -136,6 +144,7 @@ class Worker:
     async def shutdown(self) -> None:
         """Stop intake, let running jobs finish within the grace period, release the rest."""
         self.stopping.set()
+        self._release([run for run in self.running.values() if self._waits_for_upstream(run)])
         tasks = [run.task for run in self.running.values()]
         if tasks:
             log.info(
@@ -171,8 +180,11 @@ class Worker:
     # -- jobs --------------------------------------------------------------------------
 
     def _capacity(self) -> int:
-        """Entries the worker may take now: its free slots."""
-        return max(0, self.settings.concurrency - len(self.running))
+        """Entries the worker may take now: its free slots (jobs waiting for a down upstream
+        hold none), and no more than ``concurrency + max_waiting`` held in all."""
+        settings, held = self.settings, len(self.running)
+        free = settings.concurrency - (held - self._waiting)
+        return max(0, min(free, settings.concurrency + settings.max_waiting - held))
 
     async def _free_slots(self) -> int:
         while (free := self._capacity()) <= 0:
@@ -233,14 +245,16 @@ class Worker:
         except Exception:
             log.exception("job %s: unexpected failure; the entry will be reclaimed", entry.job_id)
         finally:
+            if run.holds_slot:
+                self.slots.release()
             self.running.pop(entry.entry_id, None)
             self.processed += 1
             self._slot_freed.set()
 
     async def _run_entry(self, run: Running) -> None:
-        """One entry: check it is still ours, start the attempt, run it, settle the entry.
-        The Redis steps are retried through outages (our lease is renewed meanwhile); all
-        are idempotent or fenced. Shutdown cancels a step still waiting and
+        """One entry: check it is still ours, take a slot, start the attempt, run it, settle
+        the entry. The Redis steps are retried through outages (our lease is renewed
+        meanwhile); all are idempotent or fenced. Shutdown cancels a step still waiting and
         hands the entry back."""
         entry, job_id = run.entry, run.entry.job_id
         if job_id is None:
@@ -260,6 +274,8 @@ class Worker:
             )
             return
         run.claimed = True
+        await self.slots.acquire()
+        run.holds_slot = True
         started = await self._start(job_id, entry.entry_id, delivery)
         if started.state != "started":
             await retry_redis(f"job {job_id}: skipping", lambda: self._skip(entry, started))
@@ -267,6 +283,7 @@ class Worker:
         logs.set_attempt(started.attempt)
         stream = self.publisher.open(job_id, started.attempt)
         job = run.job = JobRun(job_id, started.attempt, started.request, started.upstream, stream)
+        job.idle = self._without_slot(run)
         outcome = await run_job(self.services, job)
         await retry_redis(f"job {job_id}: settling", lambda: self._settle(run, job, outcome))
 
@@ -278,6 +295,26 @@ class Worker:
                 job_id, self.name, max_attempts, entry_id, token, delivery=delivery
             ),
         )
+
+    def _without_slot(self, run: Running) -> Callable[[], AbstractAsyncContextManager[None]]:
+        """The job's ``idle``: its slot is free while it waits for a down upstream, and taken
+        back (waiting for one if need be) when its turn comes. Cancelled, it takes none."""
+
+        @asynccontextmanager
+        async def without_slot() -> AsyncIterator[None]:
+            self.slots.release()
+            run.holds_slot, run.waiting = False, True
+            self._waiting += 1
+            self._slot_freed.set()
+            try:
+                yield
+            finally:
+                run.waiting = False
+                self._waiting -= 1
+            await self.slots.acquire()
+            run.holds_slot = True
+
+        return without_slot
 
     async def _skip(self, entry: Entry, started: Started) -> None:
         job_id = entry.job_id or ""
@@ -504,6 +541,18 @@ class Worker:
             log.info("job %s: cancel requested; closing the upstream", run.job.job_id)
             run.job.cancel_requested = True
             run.task.cancel()
+
+    def _waits_for_upstream(self, run: Running) -> bool:
+        """The job waits for (or probes) an upstream that is down: it has no output yet."""
+        job = run.job
+        if run.waiting or job is None or job.opened:
+            return run.waiting
+        gate = self.upstream.gates.get(job.upstream)
+        return gate is not None and gate.down
+
+    def _upstream_health(self) -> list[tuple[str, bool, int]]:
+        gates = self.upstream.gates.values()
+        return [(gate.name, gate.down, gate.waiting) for gate in gates]
 
     async def _leave(self) -> None:
         with contextlib.suppress(RedisError):

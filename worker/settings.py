@@ -119,11 +119,13 @@ class Settings(BaseSettings):
         900.0, gt=0, description="Longest a worker spends on one job, retries included, seconds."
     )
 
-    retry_attempts: int = Field(
-        4,
+    retry_attempts: int | None = Field(
+        None,
         ge=1,
-        le=100,
-        description="Tries of the upstream call before its first byte (the first included).",
+        le=10_000,
+        description="Tries of the upstream call before its first byte (the first included); "
+        "unset: retried until the job's timeout (an upstream outage fails no job that has "
+        "time left).",
     )
     retry_initial_backoff: float = Field(
         0.5, ge=0, description="Backoff multiplier: exponential with full jitter, seconds."
@@ -131,7 +133,8 @@ class Settings(BaseSettings):
     retry_max_backoff: float = Field(
         20.0,
         ge=0,
-        description="Longest backoff, seconds; a Retry-After is honoured up to max(this, 60).",
+        description="Longest backoff, seconds: while an upstream is down, one job tries it "
+        "at least this often; a Retry-After is honoured up to max(this, 60).",
     )
     max_attempts: int = Field(
         3,
@@ -144,6 +147,14 @@ class Settings(BaseSettings):
         False,
         description="Also retry a retryable failure after deltas were published, as a new "
         "attempt that starts with a `reset` event.",
+    )
+
+    max_waiting: int = Field(
+        1024,
+        ge=0,
+        description="Jobs a worker holds beyond `concurrency` while they wait for an "
+        "upstream that is down (they give their slot back meanwhile); at the limit it "
+        "takes no new jobs.",
     )
 
     max_request_bytes: int = Field(
