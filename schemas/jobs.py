@@ -80,6 +80,11 @@ class JobRecord(BaseModel):
     start_token: str | None = Field(
         None, description="Identifies the latest attempt's start (a retried start reuses it)."
     )
+    delivery: int | None = Field(
+        None,
+        description="Delivery count of the queue entry the latest attempt started from (a "
+        "start from an older delivery of that entry is refused).",
+    )
     seq: int = Field(0, description="Sequence number of the attempt's last delta entry.")
     releases: int = Field(
         0, description="Attempts handed back unfinished (they do not count against the budget)."

@@ -91,6 +91,13 @@ class RedisServer:
             self.process.wait(timeout=10)
             self.process = None
 
+    def kill(self) -> None:
+        """SIGKILL: without persistence, everything it held is gone."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
 
 def redis_executable() -> str | None:
     return shutil.which("redis-server")
@@ -115,6 +122,21 @@ def redis_server() -> Iterator[RedisServer | None]:
         server.start()
         yield server
         server.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own, without persistence: its memory limit, its data
+    and its life are the test's to change (kill it, start an empty one on its port)."""
+    executable = redis_executable()
+    if executable is None:
+        pytest.skip("needs a real redis-server")
+    directory = tmp_path / "own-redis"
+    directory.mkdir()
+    server = RedisServer(executable, directory)
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture
@@ -144,6 +166,7 @@ def settings(redis_server: RedisServer | None, prefix: str) -> Settings:
         concurrency=64,
         lease_seconds=5,
         block_ms=50,
+        retry_attempts=4,  # a bounded budget: the default waits out an outage (test_outage.py)
         retry_initial_backoff=0.01,
         retry_max_backoff=0.05,
         connect_timeout=2,

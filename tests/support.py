@@ -10,22 +10,28 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import IO, Any
+from unittest import mock
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord, JobStatus
 from tests.conftest import Harness, RedisServer
+from worker import gate as gate_module
 from worker.accumulator import Delta
 from worker.client import Client
 from worker.keys import GROUP, Keys
+from worker.mock_upstream import MockConfig, expected_reply
 from worker.runner import Worker
 
+MOCK_PROCESS = MockConfig(tokens=64)  # `chatstream mock-upstream`'s default server config
+TERMINAL = ("succeeded", "failed", "cancelled")
 TERMINAL_TYPE = {
     JobStatus.SUCCEEDED: EventType.DONE,
     JobStatus.FAILED: EventType.ERROR,
@@ -261,3 +267,95 @@ async def silent_server() -> AsyncIterator[int]:
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+@asynccontextmanager
+async def mock_process(directory: Path) -> AsyncIterator[str]:
+    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU)."""
+    process = await asyncio.create_subprocess_exec(
+        CHATSTREAM,
+        "mock-upstream",
+        "--port",
+        "0",
+        env=clean_env(),
+        cwd=directory,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert process.stdout is not None
+        line = await asyncio.wait_for(process.stdout.readline(), 20)
+        yield line.decode().rsplit(" ", 1)[-1].strip()
+    finally:
+        process.kill()
+        await process.wait()
+
+
+async def statuses(redis: Redis, keys: Keys, ids: list[str]) -> list[str | None]:
+    pipe = redis.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hget(keys.job(job_id), "status")
+    result: list[str | None] = await pipe.execute()
+    return result
+
+
+async def all_terminal(redis: Redis, keys: Keys, ids: list[str]) -> bool:
+    try:
+        return all(status in TERMINAL for status in await statuses(redis, keys, ids))
+    except RedisError:  # Redis is being restarted, or refuses commands
+        return False
+
+
+def check_job(request: dict[str, Any], record: JobRecord, events: list[StreamEvent]) -> None:
+    """Succeeded, exactly the expected content (mock process), the stream agreeing with the
+    record: one terminal entry, one ``reset`` per rerun, gapless deltas after the last one."""
+    assert record.status == "succeeded", (record.id, record.error)
+    assert record.content == expected_reply(request, MOCK_PROCESS), record.id
+    check_stream(events, record)  # one terminal entry, last; merged deltas == record
+    resets = [e for e in events if e.type is EventType.RESET]
+    assert len(resets) == record.attempt - 1, record.id  # one per rerun, no more
+    assert {e.attempt for e in after_last_reset(events)} == {record.attempt}, record.id
+    assert merge_deltas(after_last_reset(events)).content == record.content
+
+
+async def check_all(
+    redis: Redis, keys: Keys, requests: list[dict[str, Any]], ids: list[str]
+) -> list[JobRecord]:
+    """``check_job`` for every job; the queue drained, no dead letters."""
+    client = Client(redis, prefix=keys.prefix)
+    records = []
+    for request, job_id in zip(requests, ids, strict=True):
+        record = await client.get(job_id)
+        check_job(request, record, await stream_entries(redis, keys, job_id))
+        records.append(record)
+    assert await queue_is_drained(redis, keys)
+    assert await redis.xlen(keys.dead) == 0
+    return records
+
+
+class InstantGateWaits:
+    """The upstream gates' clock and waits, replaced: a timed wait returns at once and moves
+    the clock on by its length (recorded in ``waits``); an untimed one waits for real."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def wait_for_change(self, changed: asyncio.Event, timeout: float | None) -> None:
+        if timeout is None:
+            await changed.wait()
+            return
+        self.waits.append(timeout)
+        self.now += max(timeout, 0.0)
+        await asyncio.sleep(0)
+
+    @contextmanager
+    def installed(self) -> Iterator[InstantGateWaits]:
+        with (
+            mock.patch.object(gate_module, "monotonic", self.monotonic),
+            mock.patch.object(gate_module, "wait_for_change", self.wait_for_change),
+        ):
+            yield self

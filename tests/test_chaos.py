@@ -15,116 +15,94 @@ import shutil
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
-from schemas.events import EventType, StreamEvent
-from schemas.jobs import JobRecord
+from schemas.events import EventType
 from tests.conftest import RedisServer, chat
 from tests.support import (
-    CHATSTREAM,
+    TERMINAL,
     WorkerProcesses,
-    after_last_reset,
-    check_stream,
-    clean_env,
+    all_terminal,
+    check_all,
     eventually,
-    merge_deltas,
+    mock_process,
     needs_redis_server,
-    queue_is_drained,
+    statuses,
     stream_entries,
     worker_env,
 )
 from worker.client import Client, redis_from_settings
-from worker.keys import Keys
-from worker.mock_upstream import MockConfig, expected_reply
+from worker.keys import GROUP, Keys
 from worker.settings import Settings
-
-MOCK = MockConfig(tokens=64)  # `chatstream mock-upstream`'s default server config
-TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-@asynccontextmanager
-async def mock_process(directory: Path) -> AsyncIterator[str]:
-    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU)."""
-    process = await asyncio.create_subprocess_exec(
-        CHATSTREAM,
-        "mock-upstream",
-        "--port",
-        "0",
-        env=clean_env(),
-        cwd=directory,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        assert process.stdout is not None
-        line = await asyncio.wait_for(process.stdout.readline(), 20)
-        yield line.decode().rsplit(" ", 1)[-1].strip()
-    finally:
-        process.kill()
-        await process.wait()
-
-
-async def statuses(redis: Redis, keys: Keys, ids: list[str]) -> list[str | None]:
-    pipe = redis.pipeline(transaction=False)
-    for job_id in ids:
-        pipe.hget(keys.job(job_id), "status")
-    result: list[str | None] = await pipe.execute()
-    return result
-
-
-async def all_terminal(redis: Redis, keys: Keys, ids: list[str]) -> bool:
-    try:
-        return all(status in TERMINAL for status in await statuses(redis, keys, ids))
-    except RedisError:  # Redis is being restarted
-        return False
-
-
-def check_job(request: dict[str, Any], record: JobRecord, events: list[StreamEvent]) -> None:
-    """Succeeded once, exactly the expected content, the stream agreeing with the record."""
-    assert record.status == "succeeded", (record.id, record.error)
-    assert record.content == expected_reply(request, MOCK), record.id
-    check_stream(events, record)  # one terminal entry, last; merged deltas == record
-    resets = [e for e in events if e.type is EventType.RESET]
-    assert len(resets) == record.attempt - 1, record.id  # one per rerun, no more
-    assert {e.attempt for e in after_last_reset(events)} == {record.attempt}, record.id
-    assert merge_deltas(after_last_reset(events)).content == record.content
-
-
-async def check_all(
-    redis: Redis, keys: Keys, requests: list[dict[str, Any]], ids: list[str]
-) -> list[JobRecord]:
-    client = Client(redis, prefix=keys.prefix)
-    records = []
-    for request, job_id in zip(requests, ids, strict=True):
-        record = await client.get(job_id)
-        check_job(request, record, await stream_entries(redis, keys, job_id))
-        records.append(record)
-    assert await queue_is_drained(redis, keys)
-    assert await redis.xlen(keys.dead) == 0
-    return records
-
 
 # -- workers killed -----------------------------------------------------------------------
 
 JOBS = 1000
 WORKERS = 4
-LEASE = 2.0
 KILL_EVERY = 2.0
+ARRIVALS_PER_SECOND = 50  # about 30 jobs in flight, on 4 x 32 slots: a fleet with headroom
 
 
 def chaos_request(i: int) -> dict[str, Any]:
-    """Varied lengths and chunking; one in twenty is slower than the lease."""
+    """Varied lengths and chunking; one in twenty streams for 2.5 s."""
     if i % 20 == 0:
         return chat(f"slow {i}", tokens=25, rate=10, key=f"c{i}")  # 2.5 s
     tokens = 5 + (i * 37) % 120
     return chat(f"job {i}", tokens=tokens, rate=150, chunk_tokens=1 + i % 3, key=f"c{i}")
+
+
+@dataclass(frozen=True)
+class Killed:
+    """A job that was running on a worker when it was SIGKILLed."""
+
+    job_id: str
+    attempt: int
+    killed_at: float  # Unix seconds (the machine's clock, as Redis entry ids are)
+
+
+async def running_on(redis: Redis, keys: Keys, process: Any, killed_at: float) -> list[Killed]:
+    """The jobs a (now dead) worker process was running."""
+    names = [str(n) for n in await redis.zrange(keys.workers, 0, -1) if f"-{process.pid}-" in n]
+    killed = []
+    for name in names:
+        rows: Any = await redis.xpending_range(keys.queue, GROUP, "-", "+", 1000, name)
+        for row in rows:
+            entry: Any = await redis.xrange(keys.queue, row["message_id"], row["message_id"])
+            job_id = entry[0][1]["job"] if entry else ""
+            record: Any = await redis.hgetall(keys.job(job_id)) if job_id else {}
+            if record.get("status") == "running" and record.get("worker") == name:
+                killed.append(Killed(job_id, int(record["attempt"]), killed_at))
+    return killed
+
+
+async def output_again_after(redis: Redis, keys: Keys, killed: Killed) -> float | None:
+    """Seconds from the kill to the first delta of the next attempt (after its reset); None
+    when that attempt was killed too before it wrote any (its own kill is measured)."""
+    for event in await stream_entries(redis, keys, killed.job_id):
+        if event.attempt == killed.attempt + 1 and event.type is EventType.DELTA:
+            return int(event.id.split("-")[0]) / 1000 - killed.killed_at
+    return None
+
+
+async def unfinished(redis: Redis, keys: Keys, ids: list[str]) -> list[dict[str, Any]]:
+    """The records of the jobs not finished yet (minus their requests), for a failure."""
+    found = []
+    for job_id, status in zip(ids, await statuses(redis, keys, ids), strict=True):
+        if status not in TERMINAL:
+            record: Any = await redis.hgetall(keys.job(job_id))
+            found.append({k: v for k, v in record.items() if k != "request"})
+    return found
+
+
+async def arrive(client: Client, requests: list[dict[str, Any]], ids: list[str]) -> None:
+    for request, job_id in zip(requests, ids, strict=True):
+        await client.enqueue(request, job_id=job_id)
+        await asyncio.sleep(1 / ARRIVALS_PER_SECOND)
 
 
 @pytest.mark.slow
@@ -132,18 +110,22 @@ def chaos_request(i: int) -> dict[str, Any]:
 async def test_jobs_survive_workers_killed_every_few_seconds(
     redis_server: RedisServer | None, redis: Redis, prefix: str, tmp_path: Path
 ) -> None:
+    """Jobs arrive steadily while a random worker is SIGKILLed every 2 s (and replaced).
+    Default lease (30 s) and heartbeats: a killed worker's jobs are taken over when its
+    heartbeat stops, not when its leases expire. Reports the time from each kill until the
+    jobs that were running there produce output again."""
     server = needs_redis_server(redis_server)
     keys, client = Keys(prefix), Client(redis, prefix=prefix)
     rng = random.Random(1234)
+    killed: list[Killed] = []
     kills = 0
     async with mock_process(tmp_path) as url:
         env = worker_env(
             server.url,
             prefix,
             url,
-            lease_seconds=LEASE,
             max_attempts=20,
-            concurrency=8,
+            concurrency=32,
             shutdown_grace_seconds=5,
             log_level="WARNING",
         )
@@ -151,15 +133,21 @@ async def test_jobs_survive_workers_killed_every_few_seconds(
             live = [group.spawn() for _ in range(WORKERS)]
             for process in live:
                 await group.ready(process, redis, keys)
+            await asyncio.sleep(3.5)  # they beat for the timeout: they judge each other
             requests = [chaos_request(i) for i in range(JOBS)]
-            ids = [await client.enqueue(r, job_id=f"chaos-{i}") for i, r in enumerate(requests)]
+            ids = [f"chaos-{i}" for i in range(JOBS)]
+            arriving = asyncio.create_task(arrive(client, requests, ids))
             started = time.monotonic()
-            while not await all_terminal(redis, keys, ids):
-                assert time.monotonic() - started < 150, "the jobs did not finish"
+            while not (arriving.done() and await all_terminal(redis, keys, ids)):
+                if time.monotonic() - started > 150:
+                    raise AssertionError(
+                        f"jobs did not finish: {await unfinished(redis, keys, ids)}"
+                    )
                 await asyncio.sleep(KILL_EVERY)
                 victim = live.pop(rng.randrange(len(live)))
                 os.kill(victim.pid, signal.SIGKILL)
                 victim.wait()
+                killed += await running_on(redis, keys, victim, time.time())
                 kills += 1
                 live.append(group.spawn())
             elapsed = time.monotonic() - started
@@ -172,9 +160,21 @@ async def test_jobs_survive_workers_killed_every_few_seconds(
     assert "Traceback" not in output, output
     records = await check_all(redis, keys, requests, ids)
     attempts = Counter(record.attempt for record in records)
-    print(f"\nchaos: {JOBS} jobs in {elapsed:.1f}s, {kills} kills, attempts {dict(attempts)}")
+    measured = [await output_again_after(redis, keys, k) for k in killed]
+    recovery = sorted(seconds for seconds in measured if seconds is not None)
+    p50, p99 = recovery[len(recovery) // 2], recovery[(len(recovery) - 1) * 99 // 100]
+    print(
+        f"\nchaos: {JOBS} jobs in {elapsed:.1f}s, {kills} kills, attempts {dict(attempts)}; "
+        f"{len(recovery)} jobs running on killed workers produced output again after p50 "
+        f"{p50:.2f}s, p99 {p99:.2f}s, max {recovery[-1]:.2f}s (lease 30 s, heartbeat timeout "
+        f"3 s; {len(measured) - len(recovery)} more were killed again before any output)"
+    )
     assert kills >= 3
+    assert len(recovery) >= kills  # jobs were running on the killed workers
     assert sum(n for attempt, n in attempts.items() if attempt > 1) > 0  # reruns happened
+    # by heartbeat, not after the 30 s lease (that would be 20-30 s after the kill); the
+    # tail is reported, not asserted: it grows with the load on the machine
+    assert p50 < 10
 
 
 # -- Redis restarted ----------------------------------------------------------------------

@@ -487,6 +487,7 @@ def served_metric_names() -> set[str]:
     """Every sample name a worker's /metrics can carry (labelled ones included)."""
     metrics = Metrics()
     metrics.queue.counts = QueueCounts(0, 0, 0)
+    metrics.watch_upstreams(lambda: [])  # what every worker registers at start
     suffixes = {
         "counter": ("_total",),
         "histogram": ("", "_bucket", "_count", "_sum"),  # the table names the family

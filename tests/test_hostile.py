@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
-from unittest import mock
 
 import httpx
 import pytest
@@ -27,10 +26,10 @@ from redis.asyncio import Redis
 from schemas.jobs import JobStatus
 from tests.conftest import Harness, RedisServer, chat
 from tests.support import (
+    InstantGateWaits,
     custom_harness,
     inject,
 )
-from worker import upstream as upstream_module
 from worker.accumulator import Accumulator, Delta
 from worker.client import Client, redis_from_settings
 from worker.errors import InvalidJobError, ProtocolError
@@ -510,11 +509,8 @@ def test_fuzz_a_hostile_upstream_never_crashes_the_worker(
     logger = logging.getLogger("chatstream")
     logger.addHandler(handler)
 
-    async def no_sleep(seconds: float) -> None:
-        await asyncio.sleep(0)
-
     try:
-        with mock.patch.object(upstream_module, "_sleep", no_sleep):
+        with InstantGateWaits().installed():
             asyncio.run(run_hostile(redis_server.url, scripts))
     finally:
         logger.removeHandler(handler)

@@ -21,12 +21,14 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from schemas.events import EventType
+from schemas.events import EventType, StreamEvent
+from schemas.jobs import JobRecord
 from tests.conftest import MOCK, RedisServer, chat
 from tests.support import (
     CHATSTREAM,
     WorkerProcesses,
     after_last_reset,
+    all_terminal,
     check_stream,
     clean_env,
     eventually,
@@ -34,6 +36,7 @@ from tests.support import (
     needs_redis_server,
     queue_is_drained,
     status_of,
+    stop_worker,
     stream_entries,
     worker_env,
 )
@@ -367,12 +370,12 @@ async def test_a_redis_error_while_starting_a_job_is_retried(
     real_start = worker.records.start
     failures = [RedisConnectionError("Connection reset by peer")] * 2
 
-    async def flaky_start(*args: Any) -> Any:
+    async def flaky_start(*args: Any, **kwargs: Any) -> Any:
         if len(failures) == 1:
-            await real_start(*args)  # applied, but the reply is lost
+            await real_start(*args, **kwargs)  # applied, but the reply is lost
         if failures:
             raise failures.pop()
-        return await real_start(*args)
+        return await real_start(*args, **kwargs)
 
     monkeypatch.setattr(worker.records, "start", flaky_start)
     job_id = await client.enqueue(chat("flaky"))
@@ -584,7 +587,8 @@ async def test_a_start_retried_after_a_lost_reply_starts_no_second_attempt(
     keys = Keys(settings.prefix)
     records = Records(redis, keys, settings.retention_seconds)
     job_id = await Client.from_settings(settings, redis).enqueue(chat("s"))
-    args: list[str | int] = ["w", f"{time.time():.6f}", 3, settings.retention_seconds, "1-1", "t1"]
+    now = f"{time.time():.6f}"
+    args: list[str | int] = ["w", now, 3, settings.retention_seconds, "1-1", 1, "t1", ""]
     first = await records._start(keys=records.job_keys(job_id), args=args)
     again = await records._start(keys=records.job_keys(job_id), args=args)
     assert first == again == ["started", 1, first[2], "default"]
@@ -607,3 +611,179 @@ async def test_consumers_of_dead_workers_are_pruned_but_not_those_holding_entrie
     consumers: Any = await redis.xinfo_consumers(keys.queue, GROUP)
     assert sorted(c["name"] for c in consumers) == ["holding"]  # "alive" never read yet
     assert await holding.prune(idle_ms=60_000) == 0
+
+
+# -- frozen and stalled workers (SIGSTOP / SIGCONT) -------------------------------------------
+
+
+def check_exact(request: dict[str, Any], record: JobRecord, events: list[StreamEvent]) -> None:
+    """Succeeded with exactly the expected reply; one ``reset`` per rerun; the stream exact."""
+    assert record.status == "succeeded", (record.id, record.error)
+    assert record.content == expected_reply(request, MOCK), record.id
+    check_stream(events, record)
+    assert [e.type for e in events].count(EventType.RESET) == record.attempt - 1, record.id
+
+
+async def consumer_of(redis: Redis, keys: Keys, process: Any) -> str:
+    """The consumer (worker) name of a ``chatstream worker`` process."""
+    names = await redis.zrange(keys.workers, 0, -1)
+    [name] = [str(n) for n in names if f"-{process.pid}-" in str(n)]
+    return name
+
+
+async def entries_of(redis: Redis, keys: Keys, consumer: str) -> list[str]:
+    rows: Any = await redis.xpending_range(keys.queue, GROUP, "-", "+", 1000, consumer)
+    return [str(row["message_id"]) for row in rows]
+
+
+async def jobs_running_on(redis: Redis, keys: Keys, consumer: str) -> dict[str, int]:
+    """Job id -> attempt of the jobs whose record says ``consumer`` runs them."""
+    found: dict[str, int] = {}
+    for entry_id in await entries_of(redis, keys, consumer):
+        rows: Any = await redis.xrange(keys.queue, entry_id, entry_id)
+        job_id = str(rows[0][1]["job"]) if rows else ""
+        record: Any = await redis.hgetall(keys.job(job_id)) if job_id else {}
+        if record.get("status") == "running" and record.get("worker") == consumer:
+            found[job_id] = int(record["attempt"])
+    return found
+
+
+def arriving_request(i: int) -> dict[str, Any]:
+    """About 1 s each; one in five takes 3 s."""
+    if i % 5 == 0:
+        return chat(f"long {i}", tokens=30, rate=10, key=f"f{i}")
+    return chat(f"job {i}", tokens=20, rate=20, key=f"f{i}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lease", [2.0, 30.0], ids=["freeze-of-three-leases", "default-lease"])
+async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
+    redis_server: RedisServer | None,
+    redis: Redis,
+    prefix: str,
+    mock_upstream: tuple[MockUpstream, str],
+    tmp_path: Path,
+    lease: float,
+) -> None:
+    """Three workers, jobs arriving every 50 ms; one is frozen (SIGSTOP) for 6 s, which is
+    past its heartbeat timeout (3 s) and, with the short lease, three leases. Its blocked
+    queue read is served while it is frozen. The jobs it ran are taken over once (attempt 2);
+    when it wakes it starts nothing from its late read and supersedes no live attempt: every
+    other job runs once, attempt 1, one upstream call."""
+    server = needs_redis_server(redis_server)
+    mock, url = mock_upstream
+    keys, client = Keys(prefix), Client(redis, prefix=prefix)
+    # the default block: a read stays blocked (and is served while frozen) for up to 2 s
+    env = worker_env(server.url, prefix, url, lease_seconds=lease, concurrency=16, block_ms=2000)
+    requests: list[dict[str, Any]] = []
+    ids: list[str] = []
+    flowing = asyncio.Event()
+    flowing.set()
+
+    async def keep_enqueueing() -> None:
+        while True:
+            await flowing.wait()
+            request = arriving_request(len(requests))
+            ids.append(await client.enqueue(request))
+            requests.append(request)
+            await asyncio.sleep(0.05)
+
+    async with WorkerProcesses.session(tmp_path, env) as group:
+        workers = [group.spawn() for _ in range(3)]
+        for process in workers:
+            await group.ready(process, redis, keys)
+        await asyncio.sleep(3.5)  # heartbeats for the timeout: workers judge each other
+        arriving = asyncio.create_task(keep_enqueueing())
+        await asyncio.sleep(2)
+        victim = workers[0]
+        name = await consumer_of(redis, keys, victim)
+        flowing.clear()
+        await asyncio.sleep(0.3)  # no entry for a while: every worker blocks in its read
+        os.kill(victim.pid, signal.SIGSTOP)
+        frozen_at_ms = int(time.time() * 1000)
+        await asyncio.sleep(0.05)  # a start it sent just before is applied by now
+        was_running = await jobs_running_on(redis, keys, name)
+        flowing.set()  # the next entries go to the blocked reads in turn, the frozen one's too
+        delivered_while_frozen: set[str] = set()  # job ids
+        for _ in range(60):  # 6 s
+            for entry_id in await entries_of(redis, keys, name):
+                if int(entry_id.split("-")[0]) > frozen_at_ms + 50:
+                    rows: Any = await redis.xrange(keys.queue, entry_id, entry_id)
+                    delivered_while_frozen.update(row[1]["job"] for row in rows)
+            await asyncio.sleep(0.1)
+        os.kill(victim.pid, signal.SIGCONT)
+        await asyncio.sleep(2)
+        arriving.cancel()
+        await asyncio.gather(arriving, return_exceptions=True)
+        await eventually(lambda: all_terminal(redis, keys, ids), 30, every=0.2)
+        codes = [await stop_worker(process, 15) for process in workers]
+        output = group.output()
+        live_output = "\n".join(log.read_text() for log in group.logs[1:])
+    assert codes == [0, 0, 0], output
+    assert "Traceback" not in output, output
+    assert was_running, "the frozen worker ran no job"
+    assert delivered_while_frozen, "no entry was delivered to the frozen worker's read"
+    for symptom in ("lease lost", "terminal write refused", "was never seen", "superseded"):
+        assert symptom not in live_output, output  # no live attempt was ever replaced
+    for request, job_id in zip(requests, ids, strict=True):
+        record = await client.get(job_id)
+        check_exact(request, record, await stream_entries(redis, keys, job_id))
+        calls = mock.key_requests[request["mock"]["key"]]
+        if job_id in was_running:
+            assert record.attempt <= 2 and calls == record.attempt, (job_id, record.attempt)
+        else:  # includes the jobs delivered to the frozen worker: run once, by a live one
+            assert (record.attempt, calls) == (1, 1), (job_id, job_id in delivered_while_frozen)
+    assert await queue_is_drained(redis, keys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stall", [1.0, 4.5], ids=["brief-stall", "stall-past-the-timeout"])
+async def test_a_stalled_worker_keeps_its_jobs_unless_it_stalls_past_the_heartbeat_timeout(
+    redis_server: RedisServer | None,
+    redis: Redis,
+    prefix: str,
+    mock_upstream: tuple[MockUpstream, str],
+    tmp_path: Path,
+    stall: float,
+) -> None:
+    """Default heartbeat settings (every 1 s, dead after 3 s). A worker whose event loop
+    stalls for 1 s while streaming keeps its jobs: one attempt, one upstream call each. One
+    that stalls for 4.5 s is declared dead and its jobs are rerun by the other worker; fencing
+    keeps every result exact (the stalled attempts' late writes are refused)."""
+    server = needs_redis_server(redis_server)
+    mock, url = mock_upstream
+    keys, client = Keys(prefix), Client(redis, prefix=prefix)
+    env = worker_env(server.url, prefix, url)
+    async with WorkerProcesses.session(tmp_path, env) as group:
+        stalling = group.spawn()
+        await group.ready(stalling, redis, keys)
+        name = await consumer_of(redis, keys, stalling)
+        # 7 s: they still stream once the other worker had time to start judging
+        requests = [chat(f"s{i}", tokens=42, rate=6, key=f"s{i}") for i in range(4)]
+        ids = [await client.enqueue(request) for request in requests]
+        await eventually(lambda: _all_running(redis, keys, ids))
+        other = group.spawn()
+        await group.ready(other, redis, keys)
+        await asyncio.sleep(3.5)  # the other worker judges once it beat for the timeout
+        os.kill(stalling.pid, signal.SIGSTOP)
+        await asyncio.sleep(stall)
+        os.kill(stalling.pid, signal.SIGCONT)
+        assert await _all_running(redis, keys, ids)
+        await eventually(lambda: all_terminal(redis, keys, ids), 40, every=0.2)
+        codes = [await stop_worker(process, 15) for process in (stalling, other)]
+        output = group.output()
+    assert codes == [0, 0], output
+    for request, job_id in zip(requests, ids, strict=True):
+        record = await client.get(job_id)
+        check_exact(request, record, await stream_entries(redis, keys, job_id))
+        calls = mock.key_requests[request["mock"]["key"]]
+        if stall < 3:
+            assert (record.attempt, record.worker, calls) == (1, name, 1), output
+        else:
+            assert (record.attempt, calls) == (2, 2), output
+            assert record.worker != name
+    assert await queue_is_drained(redis, keys)
+
+
+async def _all_running(redis: Redis, keys: Keys, ids: list[str]) -> bool:
+    return all([await _is(redis, keys, job_id, "running") for job_id in ids])

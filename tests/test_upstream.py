@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -17,7 +17,7 @@ import httpx
 import pytest
 import tenacity
 
-from worker import upstream as upstream_module
+from tests.support import InstantGateWaits
 from worker.errors import (
     ChatstreamError,
     RetryableUpstreamError,
@@ -100,15 +100,10 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Backoff sleeps are recorded instead of slept."""
-    recorded: list[float] = []
-
-    async def fake_sleep(seconds: float) -> None:
-        recorded.append(seconds)
-
-    monkeypatch.setattr(upstream_module, "_sleep", fake_sleep)
-    return recorded
+def sleeps() -> Iterator[list[float]]:
+    """The gates' backoff waits are recorded instead of waited."""
+    with InstantGateWaits().installed() as clock:
+        yield clock.waits
 
 
 def make_settings(**overrides: Any) -> Settings:
@@ -398,15 +393,18 @@ async def test_empty_body_before_first_byte_is_retried(sleeps: list[float]) -> N
 async def test_retries_are_logged_without_secrets(
     sleeps: list[float], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The job's retry at INFO; the upstream going down and coming back at WARNING."""
     fake = Upstream(error(502, {"error": {"message": f"bad key {KEY}"}}), sse(*EVENTS))
-    with caplog.at_level(logging.WARNING, logger="chatstream.upstream"):
+    with caplog.at_level(logging.INFO, logger="chatstream.upstream"):
         async with client_for(fake) as client:
             await collect(client)
-    (record,) = caplog.records
-    assert record.name == "chatstream.upstream"
-    assert record.levelno == logging.WARNING
-    message = record.getMessage()
+    down, retry, back = caplog.records
+    assert {r.name for r in caplog.records} == {"chatstream.upstream"}
+    assert (down.levelno, retry.levelno, back.levelno) == (logging.WARNING, logging.INFO, 30)
+    assert "upstream 'default' is down" in down.getMessage() and "502" in down.getMessage()
+    message = retry.getMessage()
     assert "'default'" in message and "attempt 1" in message and "502" in message
+    assert "upstream 'default' is back" in back.getMessage()
     assert KEY not in caplog.text
 
 

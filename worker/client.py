@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 from pydantic import ValidationError
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
-from redis.backoff import EqualJitterBackoff, NoBackoff
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -32,6 +32,7 @@ from worker.jobs import JobIndex, JobPage, Progress, read_progress
 from worker.keys import Keys
 from worker.queue import DeadLetter, Queue
 from worker.records import Records, as_text, dumps
+from worker.retry import RedisBackoff
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
 
@@ -323,9 +324,10 @@ def redis_from_settings(settings: Settings) -> Redis:
     entry or record by someone else) decode to U+FFFD instead of raising in the middle of
     a reply, so a worker reading them drops or fails that job and goes on.
 
-    Connection errors and timeouts are retried with jittered exponential backoff (about
-    6 s in all) before they reach the caller, so a Redis restart or failover is ridden
-    out; every write chatstream retries is idempotent or fenced (docs/reliability.md).
+    Connection errors and timeouts are retried (reconnect and resend) with the backoff of
+    ``worker.retry`` (about 6 s in all) before they reach the caller, so a Redis restart or
+    failover is ridden out; every write chatstream retries is idempotent or fenced
+    (docs/reliability.md).
 
     The pool is a blocking one of ``redis_max_connections``: hundreds of jobs starting at
     once wait briefly for a connection instead of failing with ``MaxConnectionsError``.
@@ -341,7 +343,7 @@ def redis_from_settings(settings: Settings) -> Redis:
         socket_connect_timeout=5,
         socket_timeout=settings.block_ms / 1000 + 10,
         socket_keepalive=True,
-        retry=Retry(EqualJitterBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
+        retry=Retry(RedisBackoff(), REDIS_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         parser_class=speedups.parser_class(settings),
     )

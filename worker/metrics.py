@@ -2,8 +2,9 @@
 
     GET /metrics   the worker's registry (Prometheus text, or OpenMetrics when asked)
     GET /healthz   200 while the process's event loop answers
-    GET /readyz    200 when Redis answers PING, the event loop is not lagging and the worker
-                   is not shutting down; else 503 with {"ready": false, "reason": ...}
+    GET /readyz    200 when Redis answers PING, the event loop is not lagging, the worker can
+                   read its queue and is not shutting down; else 503 with
+                   {"ready": false, "reason": ...}
 
 Served by uvicorn inside the worker's event loop on ``settings.metrics_port`` (``None``:
 off, ``0``: a free port). Each :class:`Worker` has its own ``CollectorRegistry``, so
@@ -19,7 +20,8 @@ Metrics (all prefixed ``chatstream_``): ``jobs_total{status}``, ``jobs_in_flight
 ``time_to_first_token_seconds``, ``deltas_per_second``, ``job_duration_seconds{status}``,
 ``retries_total{stage}``, ``reclaims_total``, ``upstream_errors_total{upstream,code,status}``,
 ``tokens_total{upstream,model,kind}``, ``publish_seconds``, ``publish_batch_size``,
-``event_loop_lag_seconds``; plus the standard ``process_*`` metrics.
+``event_loop_lag_seconds``, ``jobs_missing_total``, ``upstream_down{upstream}``,
+``upstream_waiting_jobs{upstream}``; plus the standard ``process_*`` metrics.
 
 Label values are bounded: ``upstream`` is a configured name (else ``other``), ``code`` one
 of the error codes, ``status`` an HTTP status (``none`` without one), ``model`` one of the
@@ -125,6 +127,40 @@ OTHER = "other"  # the label value of whatever lies beyond a label's bound
 MAX_MODEL_LABEL = 100  # characters of a model name kept as a label value
 
 
+UpstreamHealth = Callable[[], Iterable[tuple[str, bool, int]]]  # (name, down, jobs waiting)
+
+
+class UpstreamGauges:
+    """A collector reading, at scrape time, which upstreams are down and who waits on them."""
+
+    def __init__(self, health: UpstreamHealth) -> None:
+        self.health = health
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families([])
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(list(self.health()))
+
+    @staticmethod
+    def _families(rows: list[tuple[str, bool, int]]) -> list[Metric]:
+        down = GaugeMetricFamily(
+            "chatstream_upstream_down",
+            "1 while this worker finds the upstream down (retryable failures before the first "
+            "byte; one job probes it, the others wait)",
+            labels=["upstream"],
+        )
+        waiting = GaugeMetricFamily(
+            "chatstream_upstream_waiting_jobs",
+            "Jobs of this worker waiting for the upstream to come back (without a slot)",
+            labels=["upstream"],
+        )
+        for name, is_down, count in rows:
+            down.add_metric([name], 1 if is_down else 0)
+            waiting.add_metric([name], count)
+        return [down, waiting]
+
+
 class Metrics:
     """The worker's metrics, in a registry of its own.
 
@@ -222,6 +258,15 @@ class Metrics:
             "How late the event loop woke up in the last sample",
             registry=r,
         )
+        self.missing = Counter(
+            "chatstream_jobs_missing",
+            "Queue entries and running jobs whose record was gone (expired, or Redis lost it)",
+            registry=r,
+        )
+
+    def watch_upstreams(self, health: UpstreamHealth) -> None:
+        """Serve ``upstream_down`` and ``upstream_waiting_jobs`` from ``health()``."""
+        self.registry.register(UpstreamGauges(health))
 
     # -- observations ------------------------------------------------------------------
 
@@ -234,6 +279,9 @@ class Metrics:
             self.first_token.observe(first - timing.started)
             if timing.deltas > 1 and now > first:
                 self.delta_rate.observe((timing.deltas - 1) / (now - first))
+
+    def job_missing(self) -> None:
+        self.missing.inc()
 
     def job_failed_unstarted(self) -> None:
         """A job the runner failed without running it (attempts exhausted)."""
@@ -310,10 +358,17 @@ class Metrics:
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` for one worker (an ASGI app and its server)."""
 
-    def __init__(self, metrics: Metrics, redis: Redis, stopping: asyncio.Event) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        redis: Redis,
+        stopping: asyncio.Event,
+        cannot_consume: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.metrics = metrics
         self.redis = redis
         self.stopping = stopping
+        self.cannot_consume = cannot_consume  # why the worker cannot read its queue, or None
         self.lag = 0.0
         self.port = 0
         self._metrics_app = make_asgi_app(metrics.registry)
@@ -376,6 +431,8 @@ class MetricsServer:
             return (
                 f"redis at {redis_location(self.redis)} unreachable: {type(exc).__name__}: {reason}"
             )
+        if (problem := self.cannot_consume()) is not None:
+            return f"cannot read the queue: {problem[:200]}"
         return None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:

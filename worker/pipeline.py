@@ -5,9 +5,12 @@ request (record) ──▶ upstream SSE bytes ──▶ SSEDecoder ──▶ Acc
                                final message / error ──▶ terminal write (record + event)
 
 Only this module knows the whole chain. Retries: failures before the first byte are
-retried inside ``UpstreamClient``; a retryable failure after it (truncated stream,
-disconnect, idle timeout) is retried here when nothing was published yet, or, with
-``retry_after_output``, as a new attempt that starts with a ``reset`` event.
+retried inside ``UpstreamClient`` (while the upstream is down the job waits there without
+its slot, until the upstream is back or the job's timeout); a retryable failure after it
+(truncated stream, disconnect, idle timeout) is retried here when nothing was published yet,
+or, with ``retry_after_output``, as a new attempt that starts with a ``reset`` event. An
+attempt whose writes the fence refuses (a newer attempt owns the job, or the record is gone)
+stops at the next upstream read.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from worker.accumulator import Accumulator, FinalMessage
 from worker.errors import (
     ChatstreamError,
     InvalidJobError,
+    StaleAttemptError,
     TruncatedStreamError,
     UpstreamTimeoutError,
     retryable,
 )
+from worker.gate import IdleSlot, keep_slot
 from worker.metrics import JobTiming, Metrics
 from worker.publisher import JobStream, Publisher, Terminal
 from worker.records import Records, dumps
@@ -42,6 +47,14 @@ from worker.sse import SSEDecoder
 from worker.upstream import UpstreamClient
 
 log = logging.getLogger("chatstream.pipeline")
+
+
+class Retry(Enum):
+    """What to do after a retryable failure of a try."""
+
+    NO = "no"
+    SAME_ATTEMPT = "same attempt"  # nothing was published: try the stream again
+    NEW_ATTEMPT = "new attempt"  # output was published: a new attempt, announced by `reset`
 
 
 class Outcome(Enum):
@@ -64,6 +77,7 @@ class JobRun:
     timing: JobTiming = field(default_factory=JobTiming)
     opened: bool = False  # the current try got past the upstream's first byte
     acc: Accumulator | None = None  # the current try's output: kept when cancelled
+    idle: IdleSlot = keep_slot  # entered while waiting for a down upstream (frees the slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +101,7 @@ async def run_job(services: Services, job: JobRun) -> Outcome:
     except ChatstreamError as exc:
         error = exc
     except TimeoutError:
-        error = UpstreamTimeoutError(f"job exceeded {services.settings.job_timeout:g}s")
+        error = _timed_out(services, job)
         final = job.acc.finish() if job.acc is not None else None  # the output so far
     except asyncio.CancelledError:
         if not (job.cancel_requested or job.release_requested):
@@ -98,6 +112,15 @@ async def run_job(services: Services, job: JobRun) -> Outcome:
         partial = job.acc.finish() if job.acc is not None else None
         return await write_terminal(services, job, partial, None, cancelled=True)
     return await write_terminal(services, job, final, error)
+
+
+def _timed_out(services: Services, job: JobRun) -> UpstreamTimeoutError:
+    """The job timeout's error, naming the upstream outage the job was waiting out."""
+    message = f"job exceeded {services.settings.job_timeout:g}s"
+    gate = services.upstream.gates.get(job.upstream)
+    if not job.opened and gate is not None and gate.down:
+        message += f" waiting for upstream {job.upstream!r}, down: {gate.last_error}"
+    return UpstreamTimeoutError(message)
 
 
 def load_request(raw: str, max_bytes: int) -> dict[str, Any]:
@@ -124,7 +147,10 @@ async def stream_with_retries(
             return acc.finish(), None
         except ChatstreamError as exc:
             services.metrics.upstream_error(exc, job.upstream)
-            if not await _may_retry(services, job, exc, tries):
+            plan = retry_plan(services.settings, job, exc, tries)
+            if plan is Retry.NO:
+                return acc.finish(), exc
+            if plan is Retry.NEW_ATTEMPT and not await start_next_attempt(services, job):
                 return acc.finish(), exc
             services.metrics.pipeline_retry()
             log.info("job %s attempt %d: retrying after %s", job.job_id, job.attempt, exc.code)
@@ -136,7 +162,7 @@ async def stream_once(
     limit = services.settings.max_event_bytes
     decoder = SSEDecoder(limit)
     publisher = services.publisher
-    async with services.upstream.stream(job.upstream, body) as chunks:
+    async with services.upstream.stream(job.upstream, body, idle=job.idle) as chunks:
         job.opened = True
         async for data in chunks:
             fields = (
@@ -145,6 +171,8 @@ async def stream_once(
             _fold_and_publish(fields, acc, publisher, job)
             if acc.done or acc.errored:
                 break
+            if job.stream.stale:
+                raise StaleAttemptError("a newer attempt owns the job, or its record is gone")
     decoder.flush()  # end of stream: an unfinished event is never dispatched (nothing to fold)
     if not (acc.done or acc.errored or acc.finish_reason):
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
@@ -172,17 +200,24 @@ def _sliced(decoder: SSEDecoder, data: bytes, limit: int) -> Iterator[bytes]:
         yield from decoder.feed_data(data[start : start + limit])
 
 
-async def _may_retry(services: Services, job: JobRun, exc: ChatstreamError, tries: int) -> bool:
-    settings = services.settings
+def retry_plan(settings: Settings, job: JobRun, exc: ChatstreamError, tries: int) -> Retry:
+    """Whether (and how) a failed try is retried, by the policy of docs/failures.md."""
     if not retryable(exc) or tries >= settings.max_attempts:
-        return False
+        return Retry.NO
     if not job.opened:  # UpstreamClient already retried everything before the first byte
-        return False
+        return Retry.NO
     if not _has_output(job.stream):
-        return True
-    if not settings.retry_after_output:
-        return False
-    started = await services.records.start(job.job_id, services.worker_name, settings.max_attempts)
+        return Retry.SAME_ATTEMPT
+    return Retry.NEW_ATTEMPT if settings.retry_after_output else Retry.NO
+
+
+async def start_next_attempt(services: Services, job: JobRun) -> bool:
+    """Start a new attempt of this job (its stream gets a ``reset``), only while the current
+    one is still the job's; False when it is not (the attempt goes on to a refused write)."""
+    settings = services.settings
+    started = await services.records.start(
+        job.job_id, services.worker_name, settings.max_attempts, restart_of=job.attempt
+    )
     if started.state != "started":
         return False
     job.attempt = started.attempt

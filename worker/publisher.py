@@ -1,21 +1,33 @@
-"""Coalescing, pipelined publishing of every in-flight job's events.
+"""Coalescing, pipelined publishing of every in-flight job's events, gapless per job.
 
-Deltas are handed to :meth:`Publisher.publish` without waiting. One flusher task writes
-whatever is pending for *all* jobs in one pipelined round trip, then looks again: at low
-load a delta goes out at once (no fixed delay); at high load the deltas that arrive while
-a round trip is in flight are merged per job into its next entry, so round trips stay few
-and a delta waits at most about one round trip. A job's entries keep their order: its
-pending delta is always written before its terminal entry, in the same pipeline.
+Deltas are handed to :meth:`Publisher.publish` without waiting. One flusher task writes what
+is due for *all* jobs in one pipelined round trip, then looks again: at low load a delta goes
+out at once (no fixed delay); at high load the deltas that arrive while a round trip is in
+flight are merged per job into its next entry, so round trips stay few and a delta waits at
+most about one round trip.
 
-Each delta entry carries a per-attempt sequence number: a batch retried after a lost
-reply (Redis restart) is applied once. Writes refused by the fence mark the job stale.
+**Per job, the events stream is gapless and in order, whatever subset of a pipeline Redis
+refuses** (OOM at maxmemory, READONLY after a failover, BUSY, NOSCRIPT, a lost connection).
+The whole rule lives in :class:`JobStream` and the two scripts it calls:
+
+- each delta entry of an attempt gets the next sequence number when it is first sent, and
+  keeps it (and its content) until Redis confirms it; the delta script writes it only right
+  after the previous number (else ``NOT_YET``) and never twice (``ALREADY``);
+- the terminal write carries the attempt's last number and waits (``NOT_YET``) until the
+  record reached it, so it never lands before a delta;
+- whatever was not confirmed is sent again, in order, on the job's next round trip, after a
+  pause that grows while Redis keeps refusing that job (``worker.retry.REDIS_WAIT``); other
+  jobs are not held back. Writes are retried until they land or the attempt is over.
+
+A write the fence refuses (``STALE``: a newer attempt owns the job, or the record is gone)
+marks the attempt stale: nothing more is written for it, and the pipeline stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +35,14 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from worker.accumulator import Delta
-from worker.records import Records, dumps
+from worker.records import ALREADY, NOT_YET, STALE, WRITTEN, Records, dumps
+from worker.retry import REDIS_WAIT, pause
 from worker.tasks import cancel_and_wait
 
 log = logging.getLogger("chatstream.publisher")
 
-RETRY_DELAY = 0.2
+WARN_EVERY = 10.0  # seconds between warnings while Redis keeps refusing writes
+DELTA, TERMINAL = "delta", "terminal"
 
 
 @dataclass(slots=True)
@@ -45,25 +59,55 @@ class Terminal:
 
 @dataclass(slots=True)
 class JobStream:
-    """One attempt's publishing state."""
+    """One attempt's publishing state: what is still to write, in order."""
 
     job_id: str
     attempt: int
-    pending: Delta | None = None
-    unconfirmed: list[tuple[int, str]] = field(default_factory=list)
-    seq: int = 0
+    pending: Delta | None = None  # deltas not numbered yet, merged into one entry
+    unconfirmed: list[tuple[int, str]] = field(default_factory=list)  # (seq, data), in order
+    seq: int = 0  # the last number given
     terminal: Terminal | None = None
     stale: bool = False
+    refusals: int = 0  # round trips in a row in which Redis refused a write of this job
+    due: float = 0.0  # loop time of its next round trip (after a refusal)
 
     def take_ops(self) -> list[tuple[int, str]]:
+        """The entries to send, oldest first: the unconfirmed ones and the pending delta
+        (numbered now; from here on its number and content are fixed)."""
         if self.pending is not None:
             self.seq += 1
             self.unconfirmed.append((self.seq, dumps(self.pending.to_json())))
             self.pending = None
         return list(self.unconfirmed)
 
+    def settle_delta(self, seq: int, result: int) -> bool:
+        """Apply the delta script's answer; True when the entry must be sent again."""
+        if result in (WRITTEN, ALREADY):
+            self.unconfirmed = [op for op in self.unconfirmed if op[0] != seq]
+            return False
+        if result == STALE:
+            self.stale = True
+            return False
+        return result == NOT_YET
+
+    def settle_terminal(self, result: int) -> bool:
+        """Apply the terminal script's answer; True when it must be sent again."""
+        assert self.terminal is not None
+        if result == NOT_YET and not self.stale:
+            return True
+        if not self.terminal.done.done():
+            self.terminal.done.set_result(WRITTEN if result == WRITTEN and not self.stale else 0)
+        return False
+
+    def drop(self) -> None:
+        """The attempt is over for the publisher (stale): nothing more is written."""
+        self.pending, self.unconfirmed = None, []
+        if self.terminal is not None and not self.terminal.done.done():
+            self.terminal.done.set_result(0)
+
 
 BatchObserver = Callable[[int, float], None]
+Op = tuple[JobStream, str, int]
 
 
 class Publisher:
@@ -81,6 +125,8 @@ class Publisher:
         self._dirty: dict[tuple[str, int], JobStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._refused = 0  # writes refused since the last warning
+        self._warned_at: float | None = None
 
     def open(self, job_id: str, attempt: int) -> JobStream:
         return JobStream(job_id, attempt)
@@ -97,9 +143,11 @@ class Publisher:
 
     async def finish(self, stream: JobStream, terminal: Terminal) -> bool:
         """Write pending deltas then the terminal entry; False when the attempt is stale."""
+        if stream.stale:
+            return False
         stream.terminal = terminal
         self._mark(stream)
-        return await asyncio.shield(terminal.done) == 1
+        return await asyncio.shield(terminal.done) == WRITTEN
 
     def _mark(self, stream: JobStream) -> None:
         self._dirty[(stream.job_id, stream.attempt)] = stream
@@ -115,55 +163,101 @@ class Publisher:
 
     async def _run(self) -> None:
         while True:
-            await self._wake.wait()
+            batch = await self._next_batch()
+            try:
+                await self._write(batch)
+            except RedisError as exc:  # the round trip failed as a whole (connection)
+                self._retry_later(batch, exc)
+            except Exception as exc:  # a bug must not stop every job's publishing
+                log.exception("publish failed unexpectedly, retrying")
+                self._retry_later(batch, exc)
+
+    async def _next_batch(self) -> list[JobStream]:
+        """The jobs due for a round trip (at most ``max_batch``), waiting for one if none."""
+        loop = asyncio.get_running_loop()
+        while True:
             self._wake.clear()
-            while self._dirty:
-                batch = self._take_batch()
-                try:
-                    await self._write(batch)
-                except NoScriptError:
-                    await self._requeue(batch, self._records.load_scripts())
-                except RedisError as exc:
-                    log.warning("publish failed, retrying: %s", exc)
-                    await self._requeue(batch, asyncio.sleep(RETRY_DELAY))
-                except Exception:  # a bug must not stop every job's publishing
-                    log.exception("publish failed unexpectedly, retrying")
-                    await self._requeue(batch, asyncio.sleep(RETRY_DELAY))
-
-    async def _requeue(self, batch: list[JobStream], pause: Awaitable[Any]) -> None:
-        """Put a failed batch back (its entries keep their sequence numbers) and pause."""
-        for stream in batch:
-            self._dirty.setdefault((stream.job_id, stream.attempt), stream)
-        try:
-            await pause
-        except RedisError as exc:
-            log.warning("reloading scripts failed: %s", exc)
-            await asyncio.sleep(RETRY_DELAY)
-
-    def _take_batch(self) -> list[JobStream]:
-        batch: list[JobStream] = []
-        for key in list(self._dirty)[: self._max_batch]:
-            batch.append(self._dirty.pop(key))
-        return batch
+            now, batch, next_due = loop.time(), [], None
+            for key, stream in list(self._dirty.items()):
+                if stream.due <= now:
+                    batch.append(self._dirty.pop(key))
+                    if len(batch) >= self._max_batch:
+                        break
+                elif next_due is None or stream.due < next_due:
+                    next_due = stream.due
+            if batch:
+                return batch
+            timeout = None if next_due is None else next_due - now
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
 
     async def _write(self, batch: list[JobStream]) -> None:
         loop = asyncio.get_running_loop()
         began = loop.time()
         pipe = self._redis.pipeline(transaction=False)
-        plan: list[tuple[JobStream, str, int]] = []
+        plan: list[Op] = []
         for stream in batch:
             for seq, data in stream.take_ops():
                 self._records.queue_delta(pipe, stream.job_id, stream.attempt, seq, data)
-                plan.append((stream, "delta", seq))
+                plan.append((stream, DELTA, seq))
             if stream.terminal is not None:
                 args = self._terminal_args(stream)
-                self._records.queue_finish(pipe, stream.job_id, stream.attempt, args)
-                plan.append((stream, "terminal", 0))
-        results = await pipe.execute()
-        for (stream, kind, seq), result in zip(plan, results, strict=True):
-            self._settle(stream, kind, seq, int(result))
+                self._records.queue_finish(pipe, stream.job_id, stream.attempt, stream.seq, args)
+                plan.append((stream, TERMINAL, 0))
+        results = await pipe.execute(raise_on_error=False)
         if self._on_batch is not None:
             self._on_batch(len(plan), loop.time() - began)
+        await self._settle(batch, plan, results)
+
+    async def _settle(self, batch: list[JobStream], plan: list[Op], results: list[Any]) -> None:
+        again: set[int] = set()
+        errors: list[Exception] = []
+        for (stream, kind, seq), result in zip(plan, results, strict=True):
+            if isinstance(result, Exception):
+                errors.append(result)
+                again.add(id(stream))
+                continue
+            code = int(result)
+            if stream.settle_delta(seq, code) if kind == DELTA else stream.settle_terminal(code):
+                again.add(id(stream))
+        for stream in batch:
+            if stream.stale:
+                stream.drop()
+            elif id(stream) in again:
+                self._back_off(stream)
+            else:
+                stream.refusals = 0
+        if errors:
+            self._warn(len(errors), errors[0])
+        if any(isinstance(exc, NoScriptError) for exc in errors):
+            await self._records.load_scripts()  # Redis restarted without them
+
+    def _retry_later(self, batch: list[JobStream], exc: Exception) -> None:
+        """Every write of the batch is sent again (its sequence numbers make that safe)."""
+        self._warn(len(batch), exc)
+        for stream in batch:
+            self._back_off(stream)
+
+    def _back_off(self, stream: JobStream) -> None:
+        stream.refusals += 1
+        stream.due = asyncio.get_running_loop().time() + pause(REDIS_WAIT, stream.refusals)
+        self._dirty.setdefault((stream.job_id, stream.attempt), stream)
+
+    def _warn(self, count: int, example: Exception) -> None:
+        """One warning per WARN_EVERY seconds while Redis refuses writes (they are retried)."""
+        now = asyncio.get_running_loop().time()
+        self._refused += count
+        if self._warned_at is None or now - self._warned_at >= WARN_EVERY:
+            log.warning(
+                "Redis refused %d event writes (%s: %s); retrying them in order",
+                self._refused,
+                type(example).__name__,
+                example,
+            )
+            self._refused, self._warned_at = 0, now
 
     def _terminal_args(self, stream: JobStream) -> list[Any]:
         assert stream.terminal is not None
@@ -171,12 +265,3 @@ class Publisher:
         flat = [item for pair in term.fields.items() for item in pair]
         data = dumps(term.event_data)
         return [term.event_type, data, self._records.retention, *flat]
-
-    def _settle(self, stream: JobStream, kind: str, seq: int, result: int) -> None:
-        if kind == "delta":
-            stream.unconfirmed = [op for op in stream.unconfirmed if op[0] != seq]
-            stream.stale |= result < 0
-            return
-        assert stream.terminal is not None
-        if not stream.terminal.done.done():
-            stream.terminal.done.set_result(result)

@@ -5,14 +5,21 @@ XREADGROUP (blocking, at most as many as it has free slots); the entry then sits
 group's pending list, owned by that worker, until it is acked and deleted after the job's
 terminal write. The entry's idle time is the lease: the owner renews it (XCLAIM of its own
 entries), and an entry idle longer than the lease belongs to a dead worker and is taken
-over by XAUTOCLAIM. Acks and hand-backs check ownership in the same script: a worker never
-acks an entry another worker took over. The dead-letter stream lists jobs that exhausted
-their attempts. See docs/reliability.md.
+over by XAUTOCLAIM; a worker whose heartbeat stopped has all its entries taken over at once
+(``take_over``). Before starting a job a worker checks, in one script, that the entry is still
+its own and was delivered less than a lease ago (``claim_for_start``): a reply read late by a
+frozen process starts nothing. Acks and hand-backs check ownership in the same script: a
+worker never acks an entry another worker took over. A consumer group that vanished (Redis
+restarted empty) is recreated by the next read. The dead-letter stream lists jobs that
+exhausted their attempts. See docs/reliability.md.
+
+Every script touches the queue stream only (one key, one Cluster slot).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +29,17 @@ from redis.exceptions import ResponseError
 from worker.keys import GROUP, Keys
 from worker.records import as_text, dumps
 
+log = logging.getLogger("chatstream.queue")
+
+# Scripts read the pending list with redis.pcall: without the group (Redis restarted empty)
+# no entry is anybody's, which is what they answer instead of failing.
+
 # KEYS: queue. ARGV: group, consumer, entry ids... Renews only the entries still ours.
 RENEW = """
 local lost = {}
 for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
+  local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if not p.err and p[1] and p[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
   else
     lost[#lost + 1] = ARGV[i]
@@ -40,8 +52,8 @@ return lost
 # Acks (and deletes) the entry if this consumer still owns it; with a job id, a fresh entry
 # for the job replaces it. Returns the new entry id, 1 (acked), or 0 (not ours: no-op).
 SETTLE = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if not (p[1] and p[1][2] == ARGV[2]) then return 0 end
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if p.err or not (p[1] and p[1][2] == ARGV[2]) then return 0 end
 local fresh = 1
 if ARGV[4] ~= '' then fresh = redis.call('XADD', KEYS[1], '*', 'job', ARGV[4]) end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
@@ -49,10 +61,34 @@ redis.call('XDEL', KEYS[1], ARGV[3])
 return fresh
 """
 
+# KEYS: queue. ARGV: group, consumer, entry id, lease ms. Before a start: the entry is still
+# ours and its delivery (or our last renewal) is younger than the lease. Renews it and
+# returns its delivery count (the start's fencing token); 0 when it may not start.
+CLAIM_FOR_START = """
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if p.err or not (p[1] and p[1][2] == ARGV[2]) then return 0 end
+if p[1][3] >= tonumber(ARGV[4]) then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return p[1][4]
+"""
+
+# KEYS: queue. ARGV: group, consumer, dead consumer, count. Claims up to count entries of a
+# consumer whose heartbeat stopped (their delivery counts go up: a takeover). Returns
+# {entries, 1 if the dead consumer holds nothing more}.
+TAKE_OVER = """
+local rows = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[3])
+if rows.err or #rows == 0 then return {{}, 1} end
+local ids = {}
+for i, row in ipairs(rows) do ids[i] = row[1] end
+local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids))
+local left = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[3])
+return {claimed, #left == 0 and 1 or 0}
+"""
+
 # KEYS: queue. ARGV: group, consumer. Removes the consumer if it holds no entries.
 LEAVE = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
-if p[1] then return 0 end
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if p.err or p[1] then return 0 end
 return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 """
 
@@ -99,23 +135,39 @@ class Queue:
         self._settle = redis.register_script(SETTLE)
         self._leave = redis.register_script(LEAVE)
         self._prune = redis.register_script(PRUNE)
+        self._claim_for_start = redis.register_script(CLAIM_FOR_START)
+        self._take_over = redis.register_script(TAKE_OVER)
         self._reclaim_cursor = "0-0"
 
     async def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) unless it exists; from entry 0, so
+        entries added before it are delivered too."""
         try:
             await self.redis.xgroup_create(self.keys.queue, GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    async def _recreate_group(self, exc: ResponseError) -> None:
+        log.warning("the queue's consumer group is gone (%s); recreating it", exc)
+        await self.ensure_group()
+        self._reclaim_cursor = "0-0"
+
     async def add(self, job_id: str) -> str:
         return as_text(await self.redis.xadd(self.keys.queue, {"job": job_id}))
 
-    async def read(self, count: int, block_ms: int) -> list[Entry]:
-        """New entries for this consumer; waits up to ``block_ms`` when there are none."""
-        reply: Any = await self.redis.xreadgroup(
-            GROUP, self.consumer, {self.keys.queue: ">"}, count=count, block=block_ms
-        )
+    async def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries for this consumer; waits up to ``block_ms`` when there are none (None:
+        does not wait). Recreates the group if it is gone (then returns nothing)."""
+        try:
+            reply: Any = await self.redis.xreadgroup(
+                GROUP, self.consumer, {self.keys.queue: ">"}, count=count, block=block_ms
+            )
+        except ResponseError as exc:
+            if not _no_group(exc):
+                raise
+            await self._recreate_group(exc)
+            return []
         return [_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries]
 
     async def reclaim(self, count: int, lease_ms: int) -> list[Entry]:
@@ -124,9 +176,15 @@ class Queue:
         XAUTOCLAIM scans a window of the pending list per call; the cursor carries over
         between calls, so expired entries deep in a long pending list are found too.
         """
-        reply: Any = await self.redis.xautoclaim(
-            self.keys.queue, GROUP, self.consumer, lease_ms, self._reclaim_cursor, count=count
-        )
+        try:
+            reply: Any = await self.redis.xautoclaim(
+                self.keys.queue, GROUP, self.consumer, lease_ms, self._reclaim_cursor, count=count
+            )
+        except ResponseError as exc:
+            if not _no_group(exc):
+                raise
+            await self._recreate_group(exc)
+            return []
         self._reclaim_cursor = as_text(reply[0])
         return [_entry(eid, fields) for eid, fields in reply[1] if fields is not None]
 
@@ -136,6 +194,20 @@ class Queue:
             return []
         lost = await self._renew(keys=[self.keys.queue], args=[GROUP, self.consumer, *entry_ids])
         return [as_text(x) for x in lost]
+
+    async def claim_for_start(self, entry_id: str, lease_ms: int) -> int:
+        """The entry's delivery count if it is ours and was delivered (or renewed) less than
+        ``lease_ms`` ago, renewing it; 0 when it must not start (taken over, or a delivery a
+        frozen process read late)."""
+        args: list[str | int] = [GROUP, self.consumer, entry_id, lease_ms]
+        return int(await self._claim_for_start(keys=[self.keys.queue], args=args))
+
+    async def take_over(self, consumer: str, count: int) -> tuple[list[Entry], bool]:
+        """Claim up to ``count`` entries of a dead consumer; also whether it holds no more."""
+        args: list[str | int] = [GROUP, self.consumer, consumer, count]
+        claimed, emptied = await self._take_over(keys=[self.keys.queue], args=args)
+        entries = [_entry(row[0], _pairs(row[1])) for row in claimed if row and row[1]]
+        return entries, int(emptied) == 1
 
     async def owned(self, max_idle_ms: int | None = None, count: int = 10_000) -> list[str]:
         """Ids of the entries this consumer holds, optionally only those idle < max_idle_ms."""
@@ -152,9 +224,20 @@ class Queue:
         """Entries this consumer holds that nobody renewed for ``min_idle_ms``: delivered by
         a read whose reply was lost (Redis restarting), so the worker never saw them. They
         are claimed again (which renews them) and returned with their fields."""
-        rows = await self.redis.xpending_range(
-            self.keys.queue, GROUP, "-", "+", count, consumername=self.consumer, idle=min_idle_ms
-        )
+        try:
+            rows = await self.redis.xpending_range(
+                self.keys.queue,
+                GROUP,
+                "-",
+                "+",
+                count,
+                consumername=self.consumer,
+                idle=min_idle_ms,
+            )
+        except ResponseError as exc:
+            if not _no_group(exc):
+                raise
+            return []  # the next read recreates the group
         if not rows:
             return []
         ids: list[Any] = [as_text(row["message_id"]) for row in rows]
@@ -213,6 +296,17 @@ class Queue:
         if ids:
             await self.redis.xdel(self.keys.dead, *ids)
         return len(ids)
+
+
+def _no_group(exc: ResponseError) -> bool:
+    return str(exc).startswith("NOGROUP")
+
+
+def _pairs(flat: Any) -> dict[Any, Any]:
+    """A script's flat [field, value, ...] list as a dict (XCLAIM's entry fields)."""
+    if isinstance(flat, dict):
+        return flat
+    return dict(zip(flat[0::2], flat[1::2], strict=True))
 
 
 def _entry(entry_id: Any, fields: dict[Any, Any]) -> Entry:

@@ -34,11 +34,15 @@ return 'created'
 
 # KEYS: record, events. ARGV: worker, now, max_attempts, retention, queue entry ('' = the
 # attempt does not come from a queue entry: no duplicate check, the entry field is kept),
-# start token (unique per call: the same call retried after a lost reply starts nothing new).
+# delivery (the entry's delivery count; '' = unknown), start token (unique per call: the same
+# call retried after a lost reply starts nothing new), restart of (an attempt number: a new
+# attempt of the caller's own run, only while that attempt is current; '' otherwise).
 # Attempts count against max_attempts since the last requeue (budget_base), minus releases.
+# A start from the entry the job runs under is a takeover only with a newer delivery: an
+# older one (a reply a frozen worker reads late) is 'superseded' and starts nothing.
 START = """
 local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'request', 'upstream',
-  'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested')
+  'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested', 'delivery')
 if not cur[1] and redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local known = {queued=true, running=true, succeeded=true, failed=true, cancelled=true}
 if not known[cur[1] or ''] or not tonumber(cur[2] or '0') then
@@ -57,7 +61,7 @@ if not known[cur[1] or ''] or not tonumber(cur[2] or '0') then
   return {'invalid', attempt, '', cur[5] or 'default', err}
 end
 local attempt = tonumber(cur[2] or '0')
-if cur[1] == 'running' and cur[9] == ARGV[6] then
+if cur[1] == 'running' and cur[9] == ARGV[7] then
   return {'started', attempt, cur[4] or '', cur[5] or 'default'}
 end
 if cur[1] ~= 'queued' and cur[1] ~= 'running' then
@@ -71,7 +75,13 @@ if cur[1] == 'queued' and cur[10] == '1' then
   redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
   return {'terminal', attempt, ''}
 end
-if cur[1] == 'running' and ARGV[5] ~= '' and cur[6] and cur[6] ~= ARGV[5] then
+if ARGV[8] ~= '' then
+  if cur[1] ~= 'running' or tostring(attempt) ~= ARGV[8] then return {'superseded', attempt} end
+elseif ARGV[5] ~= '' and cur[6] == ARGV[5] then
+  if ARGV[6] ~= '' and tonumber(ARGV[6]) <= tonumber(cur[11] or '0') then
+    return {'superseded', attempt}
+  end
+elseif ARGV[5] ~= '' and cur[1] == 'running' and cur[6] then
   return {'busy', attempt}
 end
 attempt = attempt + 1
@@ -87,8 +97,9 @@ if used > tonumber(ARGV[3]) then
   return {'exhausted', attempt - 1, '1', cur[5] or 'default', err}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'attempt', attempt, 'worker', ARGV[1],
-  'started_at', ARGV[2], 'seq', 0, 'start_token', ARGV[6])
+  'started_at', ARGV[2], 'seq', 0, 'start_token', ARGV[7])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'entry', ARGV[5]) end
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'delivery', ARGV[6]) end
 if attempt > 1 then
   redis.call('XADD', KEYS[2], '*', 'type', 'reset', 'attempt', tostring(attempt),
     'data', cjson.encode({reason='attempt ' .. attempt .. ' starts; earlier deltas are void'}))
@@ -97,25 +108,37 @@ end
 return {'started', attempt, cur[4] or '', cur[5] or 'default'}
 """
 
+# Results of DELTA and FINISH, as the publisher reads them.
+WRITTEN, ALREADY, STALE, NOT_YET = 1, 0, -1, -2
+
 # KEYS: record, events. ARGV: attempt, seq, data, retention.
+# Entries land in sequence order and never twice: 1 written; 0 this number was written before
+# (a retry after a lost reply); -1 stale (not the current running attempt, or no record);
+# -2 not yet (an earlier number is not written: the caller sends it again, then this one).
 DELTA = """
 local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status', 'seq')
 if cur[1] ~= ARGV[1] or cur[2] ~= 'running' then return -1 end
-if tonumber(cur[3] or '0') >= tonumber(ARGV[2]) then return 0 end
+local last, seq = tonumber(cur[3] or '0'), tonumber(ARGV[2])
+if seq <= last then return 0 end
+if seq > last + 1 then return -2 end
 redis.call('XADD', KEYS[2], '*', 'type', 'delta', 'attempt', ARGV[1], 'data', ARGV[3])
 redis.call('HSET', KEYS[1], 'seq', ARGV[2])
 if ARGV[2] == '1' then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
 return 1
 """
 
-# KEYS: record, events. ARGV: attempt, event type, event data, retention, field/value pairs.
+# KEYS: record, events. ARGV: attempt, last seq, event type, event data, retention,
+# field/value pairs. The terminal write lands only after the attempt's last delta entry:
+# 1 written; 0 the job is already terminal (a retried write found its first one applied);
+# -1 stale; -2 not yet (a delta entry is missing: the caller sends it again first).
 FINISH = """
-local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status')
+local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status', 'seq')
 if cur[1] ~= ARGV[1] then return -1 end
 if cur[2] ~= 'running' then return (cur[2] == 'queued') and -1 or 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
-redis.call('XADD', KEYS[2], '*', 'type', ARGV[2], 'attempt', ARGV[1], 'data', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
+if tonumber(cur[3] or '0') < tonumber(ARGV[2]) then return -2 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'attempt', ARGV[1], 'data', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5]); redis.call('EXPIRE', KEYS[2], ARGV[5])
 return 1
 """
 
@@ -183,7 +206,7 @@ def dumps(value: Any) -> str:
 class Started:
     """The outcome of trying to start an attempt of a job."""
 
-    state: str  # started | missing | terminal | busy | exhausted | invalid
+    state: str  # started | missing | terminal | busy | superseded | exhausted | invalid
     attempt: int = 0
     request: str = ""
     upstream: str = "default"
@@ -220,8 +243,12 @@ class Records:
         args = (attempt, seq, data, self.retention)
         pipe.evalsha(self.delta_script.sha, 2, *self.job_keys(job_id), *args)
 
-    def queue_finish(self, pipe: Any, job_id: str, attempt: int, args: list[Any]) -> None:
-        pipe.evalsha(self.finish_script.sha, 2, *self.job_keys(job_id), attempt, *args)
+    def queue_finish(
+        self, pipe: Any, job_id: str, attempt: int, last_seq: int, args: list[Any]
+    ) -> None:
+        """Add the fenced terminal write, after the attempt's delta ``last_seq``."""
+        keys = self.job_keys(job_id)
+        pipe.evalsha(self.finish_script.sha, 2, *keys, attempt, last_seq, *args)
 
     async def create(self, job_id: str, fields: dict[str, str]) -> str:
         """Create the record unless it exists: ``created``, ``exists`` or ``unqueued``."""
@@ -233,17 +260,38 @@ class Records:
         await self.redis.hset(self.keys.job(job_id), "queue_entry", entry_id)
 
     async def start(
-        self, job_id: str, worker: str, max_attempts: int, entry: str = "", token: str = ""
+        self,
+        job_id: str,
+        worker: str,
+        max_attempts: int,
+        entry: str = "",
+        token: str = "",
+        *,
+        delivery: int | None = None,
+        restart_of: int | None = None,
     ) -> Started:
         """Start the next attempt (fenced: every earlier attempt's writes are refused).
 
         ``entry`` is the queue entry the attempt runs under: while the job runs under
         another entry, a duplicate entry is refused (``busy``), so at most one attempt runs.
+        ``delivery`` is that entry's delivery count: a start from the entry the job already
+        runs under is a takeover only with a higher count, else ``superseded`` (a stale
+        delivery never replaces a live attempt). ``restart_of`` starts a new attempt of the
+        caller's own run, only while that attempt is current (else ``superseded``).
         ``token`` identifies this start: pass the same one when retrying it after an error
         (the reply may have been lost after the start happened) to get the same attempt.
         """
         now, token = f"{time.time():.6f}", token or secrets.token_hex(8)
-        args: list[str | int] = [worker, now, max_attempts, self.retention, entry, token]
+        args: list[str | int] = [
+            worker,
+            now,
+            max_attempts,
+            self.retention,
+            entry,
+            "" if delivery is None else delivery,
+            token,
+            "" if restart_of is None else restart_of,
+        ]
         result = await self._start(keys=self.job_keys(job_id), args=args)
         state = as_text(result[0])
         if state == "started":

@@ -1,10 +1,13 @@
 """The worker process: startup -> consume -> graceful shutdown.
 
-Slots: at most ``concurrency`` jobs run at once, each an asyncio task; the consumer only
-reads as many queue entries as there are free slots. A maintenance task renews the
-leases of running jobs, reclaims entries of dead workers, polls cancel flags (a fallback
-for the pub/sub cancel message) and writes the heartbeat. Signals are captured in
-:func:`serve` only.
+Slots: at most ``concurrency`` jobs run at once, each an asyncio task holding a slot; a job
+waiting for an upstream that is down gives its slot back meanwhile (up to ``max_waiting``
+such jobs). The consumer only reads as many queue entries as there are free slots, taking
+over the entries of dead workers first. A heartbeat task writes this worker's heartbeat
+and finds workers whose heartbeat stopped (``worker/liveness.py``); their entries are taken
+over at once. A maintenance task renews the leases of running jobs, adopts entries
+delivered but never seen, polls cancel flags (a fallback for the pub/sub cancel message)
+and refreshes the queue gauges. Signals are captured in :func:`serve` only.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -29,19 +32,20 @@ from redis.exceptions import RedisError
 from schemas.jobs import TERMINAL
 from worker import logs
 from worker.keys import Keys
+from worker.liveness import Liveness
 from worker.metrics import Metrics, MetricsServer
 from worker.pipeline import JobRun, Outcome, Services, log_failure, run_job
 from worker.publisher import Publisher
 from worker.queue import Entry, Queue
 from worker.records import Records, Started, as_text
+from worker.retry import REDIS_WAIT, often_enough, pause, retry_redis
 from worker.runtime import default_upstream_unset, startup_summary
 from worker.settings import Settings
-from worker.tasks import Backoff, cancel_and_wait
+from worker.tasks import cancel_and_wait
 from worker.upstream import UpstreamClient
 
 log = logging.getLogger("chatstream.worker")
 TERMINAL_STATUSES = frozenset(status.value for status in TERMINAL)
-T = TypeVar("T")
 PRUNE_EVERY = 300.0  # seconds between sweeps for consumers of dead workers
 
 
@@ -51,18 +55,9 @@ class Running:
     task: asyncio.Task[None]
     job: JobRun | None = None  # set once the attempt started
     lost: bool = False
-
-
-async def retry_redis(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """``call()``, retried with backoff while Redis fails (until it succeeds or the task is
-    cancelled); for idempotent or fenced steps only."""
-    backoff = Backoff()
-    while True:
-        try:
-            return await call()
-        except RedisError as exc:
-            log.warning("%s failed (%s); retrying", what, exc)
-            await backoff.pause()
+    claimed: bool = False  # checked still ours and fresh (claim_for_start): renewed from then
+    holds_slot: bool = False
+    waiting: bool = False  # for a down upstream, without its slot
 
 
 def _cancel_swallowed() -> bool:
@@ -92,7 +87,7 @@ class Worker:
         self.metrics = Metrics(
             upstreams=settings.upstream_names(), max_models=settings.metrics_max_models
         )
-        self.metrics.in_flight.set_function(lambda: len(self.running))
+        self.metrics.in_flight.set_function(lambda: len(self.running) - self._waiting)
         self.http: MetricsServer | None = None  # /metrics, /healthz, /readyz
         self.publisher = Publisher(
             redis, self.records, settings.publish_max_batch, on_batch=self.metrics.on_batch
@@ -100,14 +95,19 @@ class Worker:
         self.upstream = upstream or UpstreamClient(
             settings, on_retry=self.metrics.on_upstream_retry
         )
+        self.metrics.watch_upstreams(self._upstream_health)
+        self.liveness = Liveness(redis, self.keys, self.name, settings.heartbeat_timeout)
         self.services = Services(
             settings, self.records, self.publisher, self.upstream, self.name, metrics=self.metrics
         )
         self.running: dict[str, Running] = {}
         self.processed = 0
         self.stopping = asyncio.Event()
+        self.slots = asyncio.Semaphore(settings.concurrency)
+        self.cannot_consume: str | None = None  # why the last queue read failed (readyz)
+        self._waiting = 0  # jobs waiting for a down upstream, without a slot
+        self._dead: list[str] = []  # workers whose heartbeat stopped, holding entries
         self._slot_freed = asyncio.Event()
-        self._read_backoff = Backoff()
         self._pruned_at = time.monotonic()
         self._background: list[asyncio.Task[None]] = []
 
@@ -116,12 +116,16 @@ class Worker:
     async def startup(self) -> None:
         logs.bind(worker=self.name)
         if self.settings.metrics_port is not None:
-            self.http = MetricsServer(self.metrics, self.redis, self.stopping)
+            self.http = MetricsServer(
+                self.metrics, self.redis, self.stopping, lambda: self.cannot_consume
+            )
             await self.http.start(self.settings.metrics_host, self.settings.metrics_port)
         await self.queue.ensure_group()
         await self.records.load_scripts()
+        await self.liveness.load()
         self.publisher.start()
         self._background = [
+            asyncio.create_task(self._keep_beating(), name="chatstream-heartbeat"),
             asyncio.create_task(self._maintain(), name="chatstream-maintain"),
             asyncio.create_task(self._listen_for_cancels(), name="chatstream-cancels"),
         ]
@@ -156,6 +160,7 @@ class Worker:
     async def shutdown(self) -> None:
         """Stop intake, let running jobs finish within the grace period, release the rest."""
         self.stopping.set()
+        self._release([run for run in self.running.values() if self._waits_for_upstream(run)])
         tasks = [run.task for run in self.running.values()]
         if tasks:
             log.info(
@@ -176,7 +181,7 @@ class Worker:
         """Run everything that is queued (or reclaimable) now, then return; for tests."""
         done_before = self.processed
         while True:
-            free = self.settings.concurrency - len(self.running)
+            free = self._capacity()
             entries = await self._read(free, block_ms=block_ms) if free else []
             for entry in entries:
                 self._launch(entry)
@@ -190,26 +195,52 @@ class Worker:
 
     # -- jobs --------------------------------------------------------------------------
 
+    def _capacity(self) -> int:
+        """Entries the worker may take now: its free slots (jobs waiting for a down upstream
+        hold none), and no more than ``concurrency + max_waiting`` held in all."""
+        settings, held = self.settings, len(self.running)
+        free = settings.concurrency - (held - self._waiting)
+        return max(0, min(free, settings.concurrency + settings.max_waiting - held))
+
     async def _free_slots(self) -> int:
-        while (free := self.settings.concurrency - len(self.running)) <= 0:
+        while (free := self._capacity()) <= 0:
             self._slot_freed.clear()
             await self._slot_freed.wait()
         return free
 
     async def _read(self, count: int, block_ms: int | None = None) -> list[Entry]:
+        """Entries to run: dead workers' first, then new ones (waiting up to ``block_ms``
+        for some), then entries whose lease expired. Retried while Redis fails; meanwhile
+        ``cannot_consume`` says why (``/readyz`` answers 503)."""
+        entries = await retry_redis(
+            "reading the queue",
+            lambda: self._read_once(count, block_ms or self.settings.block_ms),
+            on_failure=self._consuming_failed,
+        )
+        if self.cannot_consume is not None:
+            log.info("reading the queue works again")
+            self.cannot_consume = None
+        return entries
+
+    def _consuming_failed(self, exc: BaseException) -> None:
+        self.cannot_consume = f"{type(exc).__name__}: {exc}"
+
+    async def _read_once(self, count: int, block_ms: int) -> list[Entry]:
+        entries = await self._take_over(count)
         try:
-            entries = await self.queue.read(count, block_ms or self.settings.block_ms)
-            self.metrics.delivered(entry.entry_id for entry in entries)
+            if len(entries) < count:
+                fresh = await self.queue.read(count - len(entries), None if entries else block_ms)
+                self.metrics.delivered(entry.entry_id for entry in fresh)
+                entries += fresh
             if len(entries) < count:
                 reclaimed = await self.queue.reclaim(count - len(entries), self._lease_ms)
                 self.metrics.reclaimed(len(reclaimed))
                 entries += reclaimed
-            self._read_backoff.reset()
-            return entries
-        except RedisError as exc:
-            log.warning("reading the queue failed (%s); retrying", exc)
-            await self._read_backoff.pause()
-            return []
+        except RedisError:
+            if not entries:
+                raise
+            log.warning("reading the queue failed; running the %d entries taken", len(entries))
+        return entries
 
     @property
     def _lease_ms(self) -> int:
@@ -224,43 +255,95 @@ class Worker:
 
     async def _handle(self, entry: Entry) -> None:
         logs.bind(worker=self.name, job=entry.job_id)  # this task's log lines carry the job
+        run = self.running[entry.entry_id]
         try:
-            await self._run_entry(entry)
+            await self._run_entry(run)
         except Exception:
             log.exception("job %s: unexpected failure; the entry will be reclaimed", entry.job_id)
         finally:
+            if run.holds_slot:
+                self.slots.release()
             self.running.pop(entry.entry_id, None)
             self.processed += 1
             self._slot_freed.set()
 
-    async def _run_entry(self, entry: Entry) -> None:
-        """One entry: start the attempt, run it, settle the entry. The Redis steps are
-        retried through outages (our lease is renewed meanwhile); all are idempotent or
-        fenced. Shutdown cancels a step still waiting and hands the entry back."""
-        job_id = entry.job_id
+    async def _run_entry(self, run: Running) -> None:
+        """One entry: check it is still ours, take a slot, start the attempt, run it, settle
+        the entry. The Redis steps are retried through outages (our lease is renewed
+        meanwhile); all are idempotent or fenced. Shutdown cancels a step still waiting and
+        hands the entry back."""
+        entry, job_id = run.entry, run.entry.job_id
         if job_id is None:
             log.error("dropping queue entry %s without a job id: %r", entry.entry_id, entry.raw)
             await retry_redis("dropping", lambda: self.queue.ack(entry.entry_id))
             return
-        max_attempts, token = self.settings.max_attempts, secrets.token_hex(8)
-        started = await retry_redis(
-            f"job {job_id}: starting",
-            lambda: self.records.start(job_id, self.name, max_attempts, entry.entry_id, token),
+        delivery = await retry_redis(
+            f"job {job_id}: claiming",
+            lambda: self.queue.claim_for_start(entry.entry_id, self._lease_ms),
         )
+        if not delivery:
+            log.warning(
+                "job %s: queue entry %s is no longer ours, or was delivered more than a lease "
+                "ago (a late read); not starting it",
+                job_id,
+                entry.entry_id,
+            )
+            return
+        run.claimed = True
+        await self.slots.acquire()
+        run.holds_slot = True
+        started = await self._start(job_id, entry.entry_id, delivery)
         if started.state != "started":
             await retry_redis(f"job {job_id}: skipping", lambda: self._skip(entry, started))
             return
         logs.set_attempt(started.attempt)
-        run = self.running[entry.entry_id]
         stream = self.publisher.open(job_id, started.attempt)
         job = run.job = JobRun(job_id, started.attempt, started.request, started.upstream, stream)
+        job.idle = self._without_slot(run)
         outcome = await run_job(self.services, job)
         await retry_redis(f"job {job_id}: settling", lambda: self._settle(run, job, outcome))
 
+    async def _start(self, job_id: str, entry_id: str, delivery: int) -> Started:
+        max_attempts, token = self.settings.max_attempts, secrets.token_hex(8)
+        return await retry_redis(
+            f"job {job_id}: starting",
+            lambda: self.records.start(
+                job_id, self.name, max_attempts, entry_id, token, delivery=delivery
+            ),
+        )
+
+    def _without_slot(self, run: Running) -> Callable[[], AbstractAsyncContextManager[None]]:
+        """The job's ``idle``: its slot is free while it waits for a down upstream, and taken
+        back (waiting for one if need be) when its turn comes. Cancelled, it takes none."""
+
+        @asynccontextmanager
+        async def without_slot() -> AsyncIterator[None]:
+            self.slots.release()
+            run.holds_slot, run.waiting = False, True
+            self._waiting += 1
+            self._slot_freed.set()
+            try:
+                yield
+            finally:
+                run.waiting = False
+                self._waiting -= 1
+            await self.slots.acquire()
+            run.holds_slot = True
+
+        return without_slot
+
     async def _skip(self, entry: Entry, started: Started) -> None:
         job_id = entry.job_id or ""
+        if started.state == "superseded":
+            log.warning(
+                "job %s: entry %s was delivered again since; the newer delivery runs it",
+                job_id,
+                entry.entry_id,
+            )
+            return  # not ours to ack
         if started.state == "missing":
             log.error("job %s has no record (expired or never created); dropping", job_id)
+            self.metrics.job_missing()
         elif started.state == "busy":
             log.warning(
                 "job %s runs under another queue entry; dropping %s", job_id, entry.entry_id
@@ -281,10 +364,10 @@ class Worker:
     async def _settle(self, run: Running, job: JobRun, outcome: Outcome) -> None:
         if outcome is Outcome.FINISHED:
             await self.queue.ack(run.entry.entry_id)
-        elif outcome is Outcome.RELEASED:
-            if not run.lost and await self.records.release(job.job_id, job.attempt):
+        elif outcome is Outcome.RELEASED and not run.lost:
+            if await self.records.release(job.job_id, job.attempt):
                 await self._requeue(run.entry.entry_id, job.job_id)
-        else:  # STALE: a newer attempt owns the job, or our terminal write already landed
+        else:  # STALE or lost: a newer attempt owns the job, it ended, or its record is gone
             await self._close_if_ended(run.entry.entry_id, job.job_id, job.attempt)
 
     async def _close_if_ended(self, entry_id: str, job_id: str, attempt: int) -> None:
@@ -293,6 +376,9 @@ class Worker:
         status, dead_pending = await self.records.closing_state(job_id)
         if dead_pending:
             await self._dead_letter(job_id, attempt)
+        if status == "missing":
+            log.error("job %s: its record is gone (expired, or lost by Redis); dropping", job_id)
+            self.metrics.job_missing()
         if status in TERMINAL_STATUSES or status == "missing":
             await self.queue.ack(entry_id)
 
@@ -300,12 +386,16 @@ class Worker:
         if await self.queue.requeue(entry_id, job_id) is None:
             log.info("job %s: entry %s was taken over; not requeued", job_id, entry_id)
 
-    async def _release_all(self) -> None:
-        remaining = list(self.running.values())
-        for run in remaining:
+    def _release(self, runs: list[Running]) -> None:
+        """Cancel these jobs; those that started give their attempt back to the queue."""
+        for run in runs:
             if run.job is not None:
                 run.job.release_requested = True
             run.task.cancel()
+
+    async def _release_all(self) -> None:
+        remaining = list(self.running.values())
+        self._release(remaining)
         if remaining:
             log.info("released %d unfinished jobs to the queue", len(remaining))
             tasks = [run.task for run in remaining]
@@ -337,7 +427,6 @@ class Worker:
                 await self._adopt_stranded()
                 await self._prune_consumers()
                 await self._poll_cancel_flags()
-                await self.redis.zadd(self.keys.workers, {self.name: time.time()})
                 if self.http is not None:  # queue gauges, served from memory
                     await self.metrics.refresh_queue(self.redis, self.keys)
             except RedisError as exc:
@@ -346,8 +435,55 @@ class Worker:
                 log.exception("lease maintenance failed unexpectedly")
             await asyncio.sleep(interval)
 
+    async def _keep_beating(self) -> None:
+        """Heartbeats; take over the entries of workers whose heartbeat stopped."""
+        failures = 0
+        while True:
+            try:
+                await self._beat()
+                failures = 0
+            except RedisError as exc:
+                failures += 1
+                if often_enough(failures):
+                    log.warning("heartbeat failed (%s; failure %d)", exc, failures)
+            except Exception:  # a bug must not stop the heartbeat
+                log.exception("heartbeat failed unexpectedly")
+            await asyncio.sleep(self.settings.heartbeat_seconds)
+
+    async def _beat(self) -> None:
+        beat = await self.liveness.beat()
+        if beat.fresh and any(run.claimed for run in self.running.values()):
+            log.warning("this worker had been declared dead; checking its leases")
+            await self._renew_leases()
+        self._dead = beat.dead
+        if self._dead and not self.stopping.is_set():
+            for entry in await self._take_over(self._capacity()):
+                self._launch(entry)
+
+    async def _take_over(self, count: int) -> list[Entry]:
+        """Claim up to ``count`` entries of workers whose heartbeat stopped."""
+        taken: list[Entry] = []
+        for name in list(self._dead):
+            if len(taken) >= count:
+                break
+            entries, emptied = await self.queue.take_over(name, count - len(taken))
+            if entries:
+                log.warning(
+                    "took over %d jobs of worker %s (no heartbeat for %gs)",
+                    len(entries),
+                    name,
+                    self.settings.heartbeat_timeout,
+                )
+            taken += entries
+            if emptied and name in self._dead:
+                self._dead.remove(name)
+                await self.liveness.forget(name)
+        self.metrics.reclaimed(len(taken))
+        return taken
+
     async def _renew_leases(self) -> None:
-        lost = await self.queue.renew(list(self.running))
+        claimed = [entry_id for entry_id, run in self.running.items() if run.claimed]
+        lost = await self.queue.renew(claimed)
         for entry_id in lost:
             run = self.running.get(entry_id)
             if run is not None:
@@ -397,19 +533,21 @@ class Worker:
                 self._cancel_run(run)
 
     async def _listen_for_cancels(self) -> None:
-        backoff = Backoff(first=0.1)
+        failures = 0
         while True:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.keys.cancel_channel)
-                    backoff.reset()
+                    failures = 0
                     async for message in pubsub.listen():
                         self.cancel_local(as_text(message["data"]))
             except (RedisError, OSError) as exc:
-                log.warning("cancel listener lost Redis (%s); resubscribing", exc)
+                if often_enough(failures + 1):
+                    log.warning("cancel listener lost Redis (%s); resubscribing", exc)
             except Exception:  # a bug must not stop cancellation (flags are polled too)
                 log.exception("cancel listener failed unexpectedly; resubscribing")
-            await backoff.pause()
+            failures += 1
+            await asyncio.sleep(pause(REDIS_WAIT, failures))
 
     def cancel_local(self, job_id: str) -> bool:
         for run in self.running.values():
@@ -425,9 +563,21 @@ class Worker:
             run.job.cancel_requested = True
             run.task.cancel()
 
+    def _waits_for_upstream(self, run: Running) -> bool:
+        """The job waits for (or probes) an upstream that is down: it has no output yet."""
+        job = run.job
+        if run.waiting or job is None or job.opened:
+            return run.waiting
+        gate = self.upstream.gates.get(job.upstream)
+        return gate is not None and gate.down
+
+    def _upstream_health(self) -> list[tuple[str, bool, int]]:
+        gates = self.upstream.gates.values()
+        return [(gate.name, gate.down, gate.waiting) for gate in gates]
+
     async def _leave(self) -> None:
         with contextlib.suppress(RedisError):
-            await self.redis.zrem(self.keys.workers, self.name)
+            await self.liveness.leave()
             await self.queue.leave()  # only when we hold no entries
 
 

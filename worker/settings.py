@@ -70,7 +70,19 @@ class Settings(BaseSettings):
         30.0,
         gt=0,
         description="Lease on a running job, renewed every lease/3; a job whose worker "
-        "stopped renewing is taken over after this long.",
+        "stopped renewing is taken over after this long (sooner when its heartbeat stops).",
+    )
+    heartbeat_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="How often a worker writes its heartbeat and looks for workers whose "
+        "heartbeat stopped.",
+    )
+    heartbeat_timeout: float = Field(
+        3.0,
+        gt=0,
+        description="A worker silent this long is dead: its jobs are taken over at once and "
+        "rerun (a live worker's event loop may stall for less without losing its jobs).",
     )
     retention_seconds: int = Field(
         86_400,
@@ -114,11 +126,13 @@ class Settings(BaseSettings):
         900.0, gt=0, description="Longest a worker spends on one job, retries included, seconds."
     )
 
-    retry_attempts: int = Field(
-        4,
+    retry_attempts: int | None = Field(
+        None,
         ge=1,
-        le=100,
-        description="Tries of the upstream call before its first byte (the first included).",
+        le=10_000,
+        description="Tries of the upstream call before its first byte (the first included); "
+        "unset: retried until the job's timeout (an upstream outage fails no job that has "
+        "time left).",
     )
     retry_initial_backoff: float = Field(
         0.5, ge=0, description="Backoff multiplier: exponential with full jitter, seconds."
@@ -126,7 +140,8 @@ class Settings(BaseSettings):
     retry_max_backoff: float = Field(
         20.0,
         ge=0,
-        description="Longest backoff, seconds; a Retry-After is honoured up to max(this, 60).",
+        description="Longest backoff, seconds: while an upstream is down, one job tries it "
+        "at least this often; a Retry-After is honoured up to max(this, 60).",
     )
     max_attempts: int = Field(
         3,
@@ -139,6 +154,14 @@ class Settings(BaseSettings):
         False,
         description="Also retry a retryable failure after deltas were published, as a new "
         "attempt that starts with a `reset` event.",
+    )
+
+    max_waiting: int = Field(
+        1024,
+        ge=0,
+        description="Jobs a worker holds beyond `concurrency` while they wait for an "
+        "upstream that is down (they give their slot back meanwhile); at the limit it "
+        "takes no new jobs.",
     )
 
     max_request_bytes: int = Field(
@@ -237,6 +260,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _heartbeat_outlives_its_interval(self) -> Settings:
+        if self.heartbeat_timeout < 2 * self.heartbeat_seconds:
+            raise ValueError("heartbeat_timeout must be at least twice heartbeat_seconds")
+        return self
 
     @model_validator(mode="after")
     def _default_upstream_not_shadowed(self) -> Settings:

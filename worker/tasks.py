@@ -3,23 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
-
-
-class Backoff:
-    """Exponential, jittered pauses between retries of a failing Redis call."""
-
-    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
-        self.first = first
-        self.cap = cap
-        self.delay = first
-
-    async def pause(self) -> None:
-        await asyncio.sleep(self.delay * random.uniform(0.5, 1.0))
-        self.delay = min(self.cap, self.delay * 2)
-
-    def reset(self) -> None:
-        self.delay = self.first
 
 
 async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:

@@ -2,11 +2,14 @@
 
 The only module that knows httpx: its exceptions are translated once, in
 ``_translate_httpx_errors``, into the ``worker.errors`` tree. Everything up to and including
-the first body byte is one attempt, retried with tenacity (exponential backoff with full
-jitter, or the upstream's ``Retry-After``); after the first byte nothing is retried here,
+the first body byte is one try, retried with tenacity while it fails retryably (up to
+``CHATSTREAM_RETRY_ATTEMPTS`` tries when set; by default until the job's timeout cancels
+it). Each upstream has a gate (``worker/gate.py``) that paces the tries while it is down:
+one probe at a time after a jittered, capped backoff or the upstream's ``Retry-After``,
+the other jobs waiting without their slot. After the first byte nothing is retried here,
 because output may already have been published.
 
-    async with client.stream("default", body) as chunks:
+    async with client.stream("default", body, idle=give_back_my_slot) as chunks:
         async for data in chunks:  # raw SSE bytes, as they arrive
             ...
 """
@@ -32,7 +35,8 @@ from tenacity import (
     RetryCallState,
     retry_if_exception,
     stop_after_attempt,
-    wait_random_exponential,
+    stop_never,
+    wait_none,
 )
 
 from worker.errors import (
@@ -43,6 +47,7 @@ from worker.errors import (
     retryable,
     snippet,
 )
+from worker.gate import IdleSlot, UpstreamGate, keep_slot
 from worker.logs import RedactFilter, secrets_of
 from worker.netio import use_protocol_backend
 from worker.settings import Settings, Upstream
@@ -51,7 +56,6 @@ logger = logging.getLogger("chatstream.upstream")
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429})
 MAX_ERROR_BODY = 64 * 1024
-MIN_RETRY_AFTER_CAP = 60.0
 REDACTED = "[REDACTED]"
 HTTP_LOGGERS = (
     "httpx",
@@ -64,11 +68,6 @@ HTTP_LOGGERS = (
 _HTTP_LOG_REDACTION = RedactFilter([])
 
 OnRetry = Callable[[BaseException, float], None]
-
-
-async def _sleep(seconds: float) -> None:
-    """The backoff sleep (a module attribute so tests can replace it)."""
-    await asyncio.sleep(seconds)
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,9 @@ class UpstreamClient:
 
     One instance (and one pooled ``httpx.AsyncClient``) per process. Pass ``http`` to inject
     a client (tests use ``httpx.MockTransport``); an injected client is not closed by
-    ``aclose()``. ``on_retry(exc, wait)`` is called before every backoff sleep.
+    ``aclose()``. ``on_retry(exc, wait)`` is called after every failed try that will be
+    retried (``wait``: seconds until the upstream's next try). ``gates`` tell which upstreams
+    are down and how many jobs wait for each.
     """
 
     def __init__(
@@ -100,9 +101,7 @@ class UpstreamClient:
         self._owns_http = http is None
         self._http = http if http is not None else _new_http_client(settings, self._timeout)
         self._on_retry = on_retry
-        self._jitter = wait_random_exponential(
-            multiplier=settings.retry_initial_backoff, max=settings.retry_max_backoff
-        )
+        self.gates: dict[str, UpstreamGate] = {}
         guard_http_logs(secrets_of(settings))
 
     async def __aenter__(self) -> UpstreamClient:
@@ -115,14 +114,25 @@ class UpstreamClient:
         if self._owns_http:
             await self._http.aclose()
 
+    def gate(self, name: str) -> UpstreamGate:
+        """The named upstream's gate (its health as this process sees it)."""
+        if name not in self.gates:
+            settings = self._settings
+            self.gates[name] = UpstreamGate(
+                name, settings.retry_initial_backoff, settings.retry_max_backoff
+            )
+        return self.gates[name]
+
     def stream(
-        self, upstream: str, body: dict[str, Any]
+        self, upstream: str, body: dict[str, Any], *, idle: IdleSlot = keep_slot
     ) -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
         """POST ``body`` to the upstream named ``upstream``; yields its raw body bytes.
 
         Raises ``UnknownUpstreamError`` at once for a name the settings do not define.
-        Entering retries everything before the first body byte; leaving (normally, by an
-        exception or by cancellation) closes the response and its connection.
+        Entering retries everything before the first body byte; while the upstream is down
+        the caller waits inside ``idle()`` (the runner gives the job's slot back there).
+        Leaving (normally, by an exception or by cancellation) closes the response and its
+        connection.
         """
         target = self._settings.upstream(upstream)
         request = self._http.build_request(
@@ -132,13 +142,13 @@ class UpstreamClient:
             headers=_request_headers(target),
             timeout=self._timeout,
         )
-        return self._stream(upstream, target, request)
+        return self._stream(upstream, target, request, idle)
 
     @asynccontextmanager
     async def _stream(
-        self, name: str, target: Upstream, request: httpx.Request
+        self, name: str, target: Upstream, request: httpx.Request, idle: IdleSlot
     ) -> AsyncIterator[AsyncIterator[bytes]]:
-        opened = await self._open(name, target, request)
+        opened = await self._open(name, target, request, idle)
         relay = self._relay(name, opened)
         try:
             yield relay
@@ -146,18 +156,20 @@ class UpstreamClient:
             await relay.aclose()
             await opened.response.aclose()
 
-    async def _open(self, name: str, target: Upstream, request: httpx.Request) -> _Opened:
+    async def _open(
+        self, name: str, target: Upstream, request: httpx.Request, idle: IdleSlot
+    ) -> _Opened:
         attempts = self._settings.retry_attempts
+        gate = self.gate(name)
         retrying = AsyncRetrying(
-            sleep=_sleep,
-            stop=stop_after_attempt(attempts),
-            wait=self._wait,
+            stop=stop_never if attempts is None else stop_after_attempt(attempts),
+            wait=wait_none(),  # the gate paces the tries
             retry=retry_if_exception(retryable),
-            before_sleep=self._before_sleep(name),
+            before_sleep=self._before_sleep(gate),
             reraise=True,
         )
         try:
-            opened: _Opened = await retrying(self._attempt, name, target, request)
+            opened: _Opened = await retrying(self._gated_attempt, gate, idle, target, request)
         except RetryableUpstreamError as exc:
             # reraise=True: only exhaustion lets a retryable error out, never RetryError.
             plural = "s" if attempts != 1 else ""
@@ -165,6 +177,12 @@ class UpstreamClient:
             exc.args = (exc.message,)
             raise
         return opened
+
+    async def _gated_attempt(
+        self, gate: UpstreamGate, idle: IdleSlot, target: Upstream, request: httpx.Request
+    ) -> _Opened:
+        async with gate.admitted(idle):
+            return await self._attempt(gate.name, target, request)
 
     async def _attempt(self, name: str, target: Upstream, request: httpx.Request) -> _Opened:
         """One try: send, accept status and content type, wait for the first body byte."""
@@ -193,20 +211,13 @@ class UpstreamClient:
                 if chunk:
                     yield chunk
 
-    def _wait(self, state: RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(exc, RetryableUpstreamError) and exc.retry_after is not None:
-            cap = max(self._settings.retry_max_backoff, MIN_RETRY_AFTER_CAP)
-            return min(exc.retry_after, cap)
-        return self._jitter(state)
-
-    def _before_sleep(self, name: str) -> Callable[[RetryCallState], None]:
+    def _before_sleep(self, gate: UpstreamGate) -> Callable[[RetryCallState], None]:
         def log_and_notify(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome is not None else None
-            wait = state.next_action.sleep if state.next_action is not None else 0.0
-            logger.warning(
-                "upstream %r attempt %d failed, retrying in %.3fs: %s",
-                name,
+            wait = gate.next_try_in()
+            logger.info(
+                "upstream %r attempt %d failed, next try in %.3fs: %s",
+                gate.name,
                 state.attempt_number,
                 wait,
                 exc,

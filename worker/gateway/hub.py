@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from worker.errors import JobNotFoundError
 from worker.keys import Keys
-from worker.tasks import Backoff
+from worker.retry import REDIS_WAIT, often_enough, pause
 
 log = logging.getLogger("chatstream.gateway")
 
@@ -182,24 +182,25 @@ class EventHub:
 
     async def run(self) -> None:
         """Read and hand out entries until cancelled; Redis errors are retried."""
-        backoff = Backoff(first=0.05, cap=2.0)
         loop = asyncio.get_running_loop()
-        started = 0.0
+        started, failures = 0.0, 0
         while True:
             if not self._last:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            pause = started + self.min_interval - loop.time()
-            if pause > 0:
-                await asyncio.sleep(pause)
+            early = started + self.min_interval - loop.time()
+            if early > 0:
+                await asyncio.sleep(early)
             started = loop.time()
             try:
                 await self._read_once()
-                backoff.reset()
+                failures = 0
             except RedisError as exc:
-                log.warning("gateway: reading job streams failed (%s); retrying", exc)
-                await backoff.pause()
+                failures += 1
+                if often_enough(failures):
+                    log.warning("gateway: reading job streams failed (%s); retrying", exc)
+                await asyncio.sleep(pause(REDIS_WAIT, failures))
 
     async def _read_once(self) -> None:
         before = dict(self._last)

@@ -1,0 +1,178 @@
+"""An upstream's health as one worker process sees it, and the pacing of tries while it is down.
+
+While an upstream is up, every job calls it at once. A retryable failure before the first
+byte (connection refused or reset, a timeout, HTTP 408/409/425/429/5xx) takes it down. While
+it is down:
+
+- one job at a time tries it (a *probe*), no sooner than the pause after the previous
+  failure: the upstream's ``Retry-After`` when it sent one (up to max(retry_max_backoff,
+  60 s)), else exponential from ``retry_initial_backoff`` with full jitter, capped at
+  ``retry_max_backoff`` (tenacity's ``wait_random_exponential``);
+- every other job bound for it waits without holding a slot (``waiting``), so jobs for
+  healthy upstreams keep running;
+- the first answer that is not a retryable failure brings it back up and wakes every
+  waiting job at once.
+
+A job waits at most until its own ``CHATSTREAM_JOB_TIMEOUT``; see docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+from tenacity import wait_random_exponential
+
+from worker.errors import ChatstreamError, RetryableUpstreamError
+from worker.retry import pause
+
+log = logging.getLogger("chatstream.upstream")
+
+MIN_RETRY_AFTER_CAP = 60.0
+
+IdleSlot = Callable[[], AbstractAsyncContextManager[None]]
+
+
+@asynccontextmanager
+async def keep_slot() -> AsyncIterator[None]:
+    """The default ``IdleSlot``: there is no slot to give back while waiting."""
+    yield
+
+
+def monotonic() -> float:
+    """The gate's clock (a module attribute so tests can replace it)."""
+    return time.monotonic()
+
+
+async def wait_for_change(changed: asyncio.Event, timeout: float | None) -> None:
+    """Until ``changed`` is set or ``timeout`` seconds passed (replaceable by tests)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await changed.wait()
+
+
+class UpstreamGate:
+    def __init__(self, name: str, initial_backoff: float, max_backoff: float) -> None:
+        self.name = name
+        self.waiting = 0  # jobs waiting for their turn, without a slot
+        self.down_since: float | None = None  # monotonic
+        self.last_error = ""
+        self.failures = 0  # failed probes in a row, the failure that took it down included
+        self._backoff = wait_random_exponential(multiplier=initial_backoff, max=max_backoff)
+        self._retry_after_cap = max(max_backoff, MIN_RETRY_AFTER_CAP)
+        self._next_try = 0.0
+        self._probing = False
+        self._changed = asyncio.Event()
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    def next_try_in(self) -> float:
+        return max(self._next_try - monotonic(), 0.0) if self.down else 0.0
+
+    @asynccontextmanager
+    async def admitted(self, idle: IdleSlot) -> AsyncIterator[None]:
+        """Around one try of the upstream: waits (in ``idle()``) for the caller's turn while
+        the upstream is down; the try's outcome moves the gate."""
+        probe = await self._turn(idle)
+        try:
+            yield
+        except RetryableUpstreamError as exc:
+            self._failed(exc, probe)
+            raise
+        except ChatstreamError:  # any other upstream answer: it is up
+            self._up()
+            raise
+        except BaseException:  # cancelled, or a bug: no verdict on the upstream
+            if probe:
+                self._probe_done()
+            raise
+        self._up()
+
+    async def _turn(self, idle: IdleSlot) -> bool:
+        """Return at once while up; while down, once the caller is the probe (True) or the
+        upstream came back up (False)."""
+        if not self.down:
+            return False
+        probe = False
+        try:
+            async with idle():
+                self.waiting += 1
+                try:
+                    probe = await self._until_turn()
+                finally:
+                    self.waiting -= 1
+        except BaseException:
+            if probe:  # cancelled while taking its slot back
+                self._probe_done()
+            raise
+        return probe
+
+    async def _until_turn(self) -> bool:
+        while self.down:
+            if not self._probing and monotonic() >= self._next_try:
+                self._probing = True
+                return True
+            timeout = None if self._probing else self._next_try - monotonic()
+            await wait_for_change(self._changed, timeout)
+        return False
+
+    def _failed(self, exc: RetryableUpstreamError, probe: bool) -> None:
+        now = monotonic()
+        self.last_error = str(exc)
+        if not self.down:
+            self.down_since, self.failures = now, 1
+            self._next_try = now + self._pause(exc)
+            log.warning(
+                "upstream %r is down: %s; jobs bound for it wait, next try in %.1fs",
+                self.name,
+                exc,
+                self._next_try - now,
+            )
+        elif probe:
+            self.failures += 1
+            self._next_try = now + self._pause(exc)
+            log.warning(
+                "upstream %r still down after %.0fs (try %d): %s; %d jobs waiting, "
+                "next try in %.1fs",
+                self.name,
+                now - (self.down_since or now),
+                self.failures,
+                exc,
+                self.waiting,
+                self._next_try - now,
+            )
+        elif exc.retry_after is not None:  # a late answer of a call made while it was up
+            self._next_try = max(self._next_try, now + self._pause(exc))
+        if probe:
+            self._probe_done()
+
+    def _pause(self, exc: RetryableUpstreamError) -> float:
+        if exc.retry_after is not None:
+            return min(exc.retry_after, self._retry_after_cap)
+        return pause(self._backoff, self.failures)
+
+    def _up(self) -> None:
+        if self.down_since is not None:
+            log.warning(
+                "upstream %r is back after %.1fs; %d waiting jobs resume",
+                self.name,
+                monotonic() - self.down_since,
+                self.waiting,
+            )
+        self.down_since, self.failures, self._probing = None, 0, False
+        self._notify()
+
+    def _probe_done(self) -> None:
+        self._probing = False
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every waiter: each looks at the gate again."""
+        self._changed.set()
+        self._changed = asyncio.Event()

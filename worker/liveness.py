@@ -1,0 +1,106 @@
+"""Heartbeats: which workers are alive, separate from the leases on their jobs.
+
+Every ``CHATSTREAM_HEARTBEAT_SECONDS`` a worker sets its score in ``<prefix>:workers`` to the
+Redis server's clock (one script: no clock skew between machines) and gets back the workers
+whose score is older than ``CHATSTREAM_HEARTBEAT_TIMEOUT``: they stopped (SIGKILL, the OOM
+killer, a lost machine, or a process frozen that long). The runner then takes their queue
+entries over at once, instead of waiting for their leases to expire (docs/decisions.md).
+
+A worker judges others only after its own heartbeats have succeeded without a break for the
+timeout. After Redis was unreachable for everyone (a restart, a failover) every worker's last
+heartbeat is old; this gives the live ones time to beat again (they retry every second at
+most) before anyone is declared dead. A worker whose own score had been removed (declared
+dead after a stall) learns it from its next heartbeat (``fresh``).
+
+The heartbeat script is flagged ``allow-oom`` where the server knows script flags (Redis 7):
+at ``maxmemory`` a heartbeat still lands (it only updates a score), so a Redis refusing
+writes does not make live workers look dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from worker.keys import Keys
+from worker.records import as_text
+
+log = logging.getLogger("chatstream.worker")
+
+MAX_DEAD = 100  # dead workers reported per heartbeat
+
+# KEYS: workers. ARGV: name, timeout seconds, max dead. Returns {fresh (1: we were not in
+# the set), names of the workers whose heartbeat is older than the timeout}.
+BEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local fresh = redis.call('ZADD', KEYS[1], now, ARGV[1])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[2])),
+  'LIMIT', 0, tonumber(ARGV[3]))
+return {fresh, dead}
+"""
+ALLOW_OOM = "#!lua flags=allow-oom\n"
+
+# KEYS: workers. ARGV: name, timeout seconds. Forgets a dead worker, unless it beat since.
+FORGET = """
+local t = redis.call('TIME')
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score and tonumber(score) < tonumber(t[1]) - tonumber(ARGV[2]) then
+  return redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """What one heartbeat learned."""
+
+    fresh: bool  # this worker was not in the set: first beat, or it had been declared dead
+    dead: list[str] = field(default_factory=list)  # empty while this worker may not judge
+
+
+class Liveness:
+    def __init__(self, redis: Redis, keys: Keys, name: str, timeout: float) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.name = name
+        self.timeout = timeout
+        self._beat = redis.register_script(ALLOW_OOM + BEAT)
+        self._forget = redis.register_script(FORGET)
+        self._beating_since: float | None = None  # monotonic; None after a failed beat
+
+    async def load(self) -> None:
+        """Use the ``allow-oom`` flag if the server knows script flags (not fakeredis)."""
+        try:
+            await self.redis.script_load(self._beat.script)
+        except ResponseError:
+            self._beat = self.redis.register_script(BEAT)
+
+    async def beat(self) -> Beat:
+        """Write this worker's heartbeat; the workers it may declare dead."""
+        try:
+            reply: Any = await self._beat(
+                keys=[self.keys.workers], args=[self.name, self.timeout, MAX_DEAD]
+            )
+        except BaseException:
+            self._beating_since = None
+            raise
+        now = time.monotonic()
+        if self._beating_since is None:
+            self._beating_since = now
+        judging = now - self._beating_since >= self.timeout
+        dead = [as_text(name) for name in reply[1] if as_text(name) != self.name]
+        return Beat(int(reply[0]) == 1, dead if judging else [])
+
+    async def forget(self, name: str) -> bool:
+        """Remove a dead worker from the set (it holds no more entries)."""
+        return int(await self._forget(keys=[self.keys.workers], args=[name, self.timeout])) == 1
+
+    async def leave(self) -> None:
+        await self.redis.zrem(self.keys.workers, self.name)
