@@ -19,13 +19,18 @@ from schemas.events import EventType
 from tests.conftest import chat
 from tests.support import merge_deltas, stream_entries
 from worker.accumulator import Delta
+from worker.batch import Command
 from worker.client import Client
 from worker.keys import Keys
 from worker.publisher import JobStream, Publisher, Terminal
 from worker.records import Records
 from worker.settings import Settings
 
-REFUSED = "return redis.error_reply('OOM command not allowed when used memory > maxmemory')"
+REFUSED = (
+    "EVAL",
+    "return redis.error_reply('OOM command not allowed when used memory > maxmemory')",
+    0,
+)
 
 
 class Refusing(Records):
@@ -36,23 +41,20 @@ class Refusing(Records):
         super().__init__(redis, keys, 3600)
         self.refuse: Counter[tuple[str, int]] = Counter()
 
-    def queue_delta(self, pipe: Any, job_id: str, attempt: int, seq: int, data: str) -> None:
-        if self._refused(pipe, (job_id, seq)):
-            return
-        super().queue_delta(pipe, job_id, attempt, seq, data)
+    def delta_command(self, job_id: str, attempt: int, seq: int, data: str) -> Command:
+        if self._refused((job_id, seq)):
+            return REFUSED
+        return super().delta_command(job_id, attempt, seq, data)
 
-    def queue_finish(
-        self, pipe: Any, job_id: str, attempt: int, last_seq: int, args: list[Any]
-    ) -> None:
-        if self._refused(pipe, (job_id, 0)):
-            return
-        super().queue_finish(pipe, job_id, attempt, last_seq, args)
+    def finish_command(self, job_id: str, attempt: int, last_seq: int, args: list[Any]) -> Command:
+        if self._refused((job_id, 0)):
+            return REFUSED
+        return super().finish_command(job_id, attempt, last_seq, args)
 
-    def _refused(self, pipe: Any, key: tuple[str, int]) -> bool:
+    def _refused(self, key: tuple[str, int]) -> bool:
         if self.refuse[key] <= 0:
             return False
         self.refuse[key] -= 1
-        pipe.eval(REFUSED, 0)
         return True
 
 

@@ -41,6 +41,7 @@ from tests.support import (
     worker_env,
 )
 from worker.accumulator import Delta
+from worker.batch import PipelineSender
 from worker.client import Client
 from worker.keys import GROUP, Keys
 from worker.mock_upstream import MockUpstream, expected_reply
@@ -230,9 +231,8 @@ async def test_a_stale_attempt_cannot_touch_the_newer_attempts_record_or_stream(
         assert await publisher.finish(old, terminal) is False
         assert old.stale
         assert await records.release(job_id, 1) is False
-        pipe = redis.pipeline(transaction=False)
-        records.queue_delta(pipe, job_id, 1, 99, json.dumps({"content": "forged"}))
-        assert await pipe.execute() == [-1]
+        forged = records.delta_command(job_id, 1, 99, json.dumps({"content": "forged"}))
+        assert await PipelineSender(redis).send([forged]) == [-1]
         assert await redis.xrange(keys.events(job_id)) == before
         assert await records.fetch(job_id) == record_before
 
@@ -277,10 +277,12 @@ async def test_a_delta_write_retried_after_a_lost_reply_is_applied_once(
     job_id = await Client.from_settings(settings, redis).enqueue(chat("once"))
     await records.start(job_id, "w", 3, "1-1")
     for _ in range(2):  # the same batch twice, as after a reply lost to a Redis restart
-        pipe = redis.pipeline(transaction=False)
-        records.queue_delta(pipe, job_id, 1, 1, json.dumps({"content": "a"}))
-        records.queue_delta(pipe, job_id, 1, 2, json.dumps({"content": "b"}))
-        results = await pipe.execute()
+        results = await PipelineSender(redis).send(
+            [
+                records.delta_command(job_id, 1, 1, json.dumps({"content": "a"})),
+                records.delta_command(job_id, 1, 2, json.dumps({"content": "b"})),
+            ]
+        )
     assert results == [0, 0]
     events = await stream_entries(redis, keys, job_id)
     assert merge_deltas(events).content == "ab"

@@ -35,6 +35,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from worker.accumulator import Delta
+from worker.batch import BatchSender, Command, PipelineSender
 from worker.records import ALREADY, NOT_YET, STALE, WRITTEN, Records, dumps
 from worker.retry import REDIS_WAIT, pause
 from worker.tasks import cancel_and_wait
@@ -117,9 +118,10 @@ class Publisher:
         records: Records,
         max_batch: int = 1000,
         on_batch: BatchObserver | None = None,
+        sender: BatchSender | None = None,
     ) -> None:
-        self._redis = redis
         self._records = records
+        self._sender = sender if sender is not None else PipelineSender(redis)
         self._max_batch = max_batch
         self._on_batch = on_batch
         self._dirty: dict[tuple[str, int], JobStream] = {}
@@ -197,17 +199,20 @@ class Publisher:
     async def _write(self, batch: list[JobStream]) -> None:
         loop = asyncio.get_running_loop()
         began = loop.time()
-        pipe = self._redis.pipeline(transaction=False)
+        records = self._records
+        commands: list[Command] = []
         plan: list[Op] = []
         for stream in batch:
             for seq, data in stream.take_ops():
-                self._records.queue_delta(pipe, stream.job_id, stream.attempt, seq, data)
+                commands.append(records.delta_command(stream.job_id, stream.attempt, seq, data))
                 plan.append((stream, DELTA, seq))
             if stream.terminal is not None:
                 args = self._terminal_args(stream)
-                self._records.queue_finish(pipe, stream.job_id, stream.attempt, stream.seq, args)
+                commands.append(
+                    records.finish_command(stream.job_id, stream.attempt, stream.seq, args)
+                )
                 plan.append((stream, TERMINAL, 0))
-        results = await pipe.execute(raise_on_error=False)
+        results = await self._sender.send(commands)
         if self._on_batch is not None:
             self._on_batch(len(plan), loop.time() - began)
         await self._settle(batch, plan, results)

@@ -18,6 +18,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from worker.batch import Command
 from worker.keys import Keys
 
 JSONish = dict[str, Any]
@@ -238,17 +239,15 @@ class Records:
         for script in (self.delta_script, self.finish_script):
             script.sha = as_text(await self.redis.script_load(script.script))
 
-    def queue_delta(self, pipe: Any, job_id: str, attempt: int, seq: int, data: str) -> None:
-        """Add one fenced delta write to a pipeline (EVALSHA: no per-batch SCRIPT EXISTS)."""
-        args = (attempt, seq, data, self.retention)
-        pipe.evalsha(self.delta_script.sha, 2, *self.job_keys(job_id), *args)
-
-    def queue_finish(
-        self, pipe: Any, job_id: str, attempt: int, last_seq: int, args: list[Any]
-    ) -> None:
-        """Add the fenced terminal write, after the attempt's delta ``last_seq``."""
+    def delta_command(self, job_id: str, attempt: int, seq: int, data: str) -> Command:
+        """One fenced delta write (EVALSHA: no per-batch SCRIPT EXISTS)."""
         keys = self.job_keys(job_id)
-        pipe.evalsha(self.finish_script.sha, 2, *keys, attempt, last_seq, *args)
+        return ("EVALSHA", self.delta_script.sha, 2, *keys, attempt, seq, data, self.retention)
+
+    def finish_command(self, job_id: str, attempt: int, last_seq: int, args: list[Any]) -> Command:
+        """The fenced terminal write, after the attempt's delta ``last_seq``."""
+        keys = self.job_keys(job_id)
+        return ("EVALSHA", self.finish_script.sha, 2, *keys, attempt, last_seq, *args)
 
     async def create(self, job_id: str, fields: dict[str, str]) -> str:
         """Create the record unless it exists: ``created``, ``exists`` or ``unqueued``."""
