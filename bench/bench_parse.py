@@ -26,13 +26,18 @@ openai SDK (its streaming + accumulation path, openai 3.x)
     ``openai.lib.streaming.chat.ChatCompletionStreamState.handle_chunk`` with its events
     consumed; finally ``get_final_completion()``.
 
-Bodies (deterministic, OpenAI/OpenRouter-shaped chunks with id, object, created, model,
-system_fingerprint and choices[{index, delta, logprobs, finish_reason}]; each ends with
-a finish chunk, a usage chunk with empty choices, and ``data: [DONE]``):
+Bodies (deterministic, shaped like real providers' chunks; each ends with a finish chunk,
+a usage chunk with empty choices, and ``data: [DONE]``):
 
-text       a long text reply, role on the first chunk, ``: keep-alive`` every 50 chunks
-tools      three parallel tool calls whose arguments stream in 2-8 character fragments
-reasoning  ``reasoning`` + ``reasoning_details`` fragments, then the content
+text       OpenAI: a long text reply. Every chunk has OpenAI's envelope (service_tier,
+           system_fingerprint, ``logprobs: null``), ``"usage": null`` (what
+           ``stream_options.include_usage`` sends before the usage chunk) and a random
+           ``obfuscation`` string; the first delta is ``{role, content: "", refusal: null}``
+tools      OpenAI: three parallel tool calls whose arguments stream in 2-8 character
+           fragments (JSON, so ``\\"`` escapes are common), same envelope
+reasoning  OpenRouter: ``role`` on every delta, ``reasoning`` beside ``reasoning_details``,
+           ``native_finish_reason``, a ``: OPENROUTER PROCESSING`` comment first; then the
+           content
 
 Before timing, the three pipelines are checked to agree on the final content, reasoning
 and tool-call arguments (httpx-sse: on the number of chunks).
@@ -83,41 +88,70 @@ class Body:
 
 
 class _Writer:
-    def __init__(self, keepalive_every: int = 0) -> None:
+    """Writes one provider's chunks: ``envelope(choices, rng)`` is its chunk around them."""
+
+    def __init__(self, envelope: Callable[[list[Any], random.Random], dict[str, Any]]) -> None:
         self.parts: list[str] = []
         self.chunks = 0
-        self.keepalive_every = keepalive_every
+        self.envelope = envelope
+        self.rng = random.Random(0)
 
     def comment(self, text: str) -> None:
         self.parts.append(f": {text}\n\n")
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> None:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        self.raw({"choices": [choice]})
+        self.raw(self.envelope([(delta, finish)], self.rng))
 
-    def raw(self, fields: dict[str, Any]) -> None:
-        body = {
-            "id": CHUNK_ID,
-            "object": "chat.completion.chunk",
-            "created": CREATED,
-            "model": MODEL,
-            "system_fingerprint": "fp_3b1c2a9e7d",
-            **fields,
-        }
-        self.parts.append(
-            f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-        )
+    def raw(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        self.parts.append(f"data: {data}\n\n")
         self.chunks += 1
-        if self.keepalive_every and self.chunks % self.keepalive_every == 0:
-            self.comment("keep-alive")
 
     def end(self, finish: str, name: str) -> Body:
         self.chunk({}, finish)
         usage = {"prompt_tokens": 812, "completion_tokens": self.chunks, "total_tokens": 0}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        self.raw({"choices": [], "usage": usage})
+        self.raw({**self.envelope([], self.rng), "usage": usage})
         self.parts.append("data: [DONE]\n\n")
         return Body(name, "".join(self.parts).encode(), self.chunks + 1)
+
+
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def openai_chunk(choices: list[Any], rng: random.Random) -> dict[str, Any]:
+    """OpenAI with ``stream_options.include_usage``: ``"usage": null`` on every chunk but
+    the last, and a random ``obfuscation`` padding on every chunk."""
+    return {
+        "id": "chatcmpl-BxQ3kVZ8yN2mRt7LpW4eHs9FjC1aD",
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": "gpt-4.1-mini-2025-04-14",
+        "service_tier": "default",
+        "system_fingerprint": "fp_6f2eabb9a5",
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            for delta, finish in choices
+        ],
+        "usage": None,
+        "obfuscation": "".join(rng.choices(_ALNUM, k=rng.randint(2, 16))),
+    }
+
+
+def openrouter_chunk(choices: list[Any], rng: random.Random) -> dict[str, Any]:
+    """OpenRouter: ``role`` on every delta, ``native_finish_reason``, no usage key."""
+    return {
+        "id": CHUNK_ID,
+        "provider": "Z.AI",
+        "model": MODEL,
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", **delta}, "finish_reason": finish,
+             "native_finish_reason": finish, "logprobs": None}
+            for delta, finish in choices
+        ],
+    }  # fmt: skip
 
 
 def _tokens(rng: random.Random, count: int) -> Iterator[str]:
@@ -128,27 +162,27 @@ def _tokens(rng: random.Random, count: int) -> Iterator[str]:
 
 def text_body(chunks: int) -> Body:
     rng = random.Random(1)
-    out = _Writer(keepalive_every=50)
-    out.comment("OPENROUTER PROCESSING")
-    for i, token in enumerate(_tokens(rng, chunks)):
-        out.chunk({"role": "assistant", "content": token} if i == 0 else {"content": token})
+    out = _Writer(openai_chunk)
+    out.chunk({"role": "assistant", "content": "", "refusal": None})
+    for token in _tokens(rng, chunks - 1):
+        out.chunk({"content": token})
     return out.end("stop", "text")
 
 
 def tools_body(chunks: int) -> Body:
     rng = random.Random(2)
-    out = _Writer()
+    out = _Writer(openai_chunk)
     per_call = max(chunks // 3, 2)
     for index in range(3):
         args = json.dumps(
             {"query": " ".join(_tokens(rng, per_call)), "limit": 10, "lang": "fr"},
             ensure_ascii=False,
         )
-        call = {"index": index, "id": f"call_{index}_{rng.getrandbits(48):x}", "type": "function"}
+        call = {"index": index, "id": f"call_{rng.getrandbits(96):024x}", "type": "function"}
         function = {"name": "search_documents", "arguments": ""}
         delta: dict[str, Any] = {"tool_calls": [{**call, "function": function}]}
         if index == 0:
-            delta = {"role": "assistant", "content": None, **delta}
+            delta = {"role": "assistant", "content": None, **delta, "refusal": None}
         out.chunk(delta)
         pos = 0
         while pos < len(args):
@@ -161,13 +195,12 @@ def tools_body(chunks: int) -> Body:
 
 def reasoning_body(chunks: int) -> Body:
     rng = random.Random(3)
-    out = _Writer()
+    out = _Writer(openrouter_chunk)
     out.comment("OPENROUTER PROCESSING")
     thinking = chunks * 2 // 3
-    for i, token in enumerate(_tokens(rng, thinking)):
+    for token in _tokens(rng, thinking):
         detail = {"type": "reasoning.text", "text": token, "format": "unknown", "index": 0}
-        delta = {"content": "", "reasoning": token, "reasoning_details": [detail]}
-        out.chunk({"role": "assistant", **delta} if i == 0 else delta)
+        out.chunk({"content": "", "reasoning": token, "reasoning_details": [detail]})
     for token in _tokens(rng, chunks - thinking):
         out.chunk({"content": token})
     return out.end("stop", "reasoning")
