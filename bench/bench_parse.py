@@ -10,7 +10,7 @@ ours
     what ``worker/pipeline.py`` does: ``worker.sse.SSEDecoder.feed_data`` on each read,
     ``Accumulator.fold_all`` on its events' data (JSON parsing, ``[DONE]``, folding into
     the final message) and ``Accumulator.take_delta()`` once per read (the read's merged
-    delta to publish), then ``SSEDecoder.flush`` and ``Accumulator.finish``.
+    delta to publish), then ``Accumulator.finish``.
 httpx-sse + json.loads (decoding only, no accumulation)
     what ``httpx_sse.EventSource.iter_sse`` does per read: ``httpx._decoders.TextDecoder``
     (incremental UTF-8), ``httpx_sse._decoders.SSELineDecoder.decode`` for lines,
@@ -221,7 +221,6 @@ def run_ours(reads: list[bytes]) -> FinalMessage:
     for read in reads:
         fold_all(feed(read))
         take()
-    decoder.flush()
     return accumulator.finish()
 
 
