@@ -1034,7 +1034,7 @@ def c0(delta: Any = None, **choice: Any) -> str:
         (c0({"tool_calls": [{"index": 0, "id": 7}]}), "id must be a string"),
         (c0({"tool_calls": [{"index": 0, "function": {"name": ["f"]}}]}), "name must be a string"),
         (c0({"reasoning_details": {"type": "x"}}), "reasoning_details must be a list"),
-        (c0({"reasoning_details": ["x"]}), "reasoning_details entry must be an object"),
+        (c0({"reasoning_details": ["x"]}), "reasoning_details must be a list of objects"),
         (c0({"reasoning_details": [{"type": R, "text": 1}]}), "text must be a string"),
         (c0({"reasoning_details": [{"type": 1}]}), "type must be a string"),
         (c0({"reasoning": {"text": "x"}}), "reasoning must be a string"),

@@ -21,14 +21,19 @@ checks the second.
 When every hole held the same value at learning time (one hole, or OpenRouter's token in
 both ``delta.reasoning`` and ``reasoning_details[0].text``), the template is *linked*: a
 hole's size follows from the data's length, and the data must equal the literals joined
-by that one hole, a single comparison. Otherwise (an ``obfuscation`` value beside the
-token) one regular expression matches the literals with a string between each two: the
-ignored holes must be valid JSON string contents, the folded one may not hold a quote no
-backslash escapes. The folded hole is then checked to be one valid JSON string: if it
-holds a quote, a backslash or a non-printable character, ``from_json(b'"' + hole + b'"')``
-decides, which succeeds exactly when it is one valid JSON string and then gives its value.
-Invalid UTF-8 in the folded hole never matches: the parser's U+FFFD path decides (in an
-ignored hole it changes nothing the accumulator reads).
+by that one hole, a single comparison. OpenAI adds a random ``obfuscation`` string as the
+chunk's last key: when the last hole is such a random one and the others are linked, it
+opens at the last quote before the final literal (so it holds no quote), and the data
+before it must start with the other literals joined by one value. Otherwise each hole but
+the last ends at the first quote after its start that no backslash escapes, the literal
+that follows must be there, and the last hole ends where the last literal starts.
+
+Every hole is then checked to be one valid JSON string: if it holds a quote, a backslash
+or a non-printable character, ``from_json(b'"' + hole + b'"')`` decides, which succeeds
+exactly when it is one valid JSON string and then gives its value (an ignored hole of
+letters and digits needs no check). Invalid UTF-8 in the folded hole never matches: the
+parser's U+FFFD path decides (in an ignored hole it changes nothing the accumulator
+reads).
 
 Holes
 -----
@@ -61,30 +66,53 @@ class ChunkTemplate(Generic[K]):
     """Literal parts of a data field (UTF-8 bytes) with string holes between them; ``key``
     is what the accumulator needs to fold the value (what it appends to)."""
 
-    __slots__ = ("_count", "_fixed", "_head", "_linked", "_literals", "_middles", "_start",
-                 "_tail", "_want", "key")  # fmt: skip
+    __slots__ = ("_count", "_fixed", "_head", "_linked", "_literals", "_middles",
+                 "_random_last", "_start", "_tail", "_want", "key")  # fmt: skip
 
-    def __init__(self, literals: list[bytes], want: int, key: K, *, linked: bool) -> None:
-        self._literals = tuple(literals)
+    def __init__(
+        self, literals: list[bytes], want: int, key: K, *, linked: bool, random_last: bool
+    ) -> None:
+        """``linked``: every hole held the same value; ``random_last``: all but the last
+        did, and the last is a random string (see the module docstring)."""
         self._head, *self._middles, self._tail = literals  # the tail is never b""
-        self._count = len(literals) - 1  # holes
-        self._linked = linked or self._count == 1  # every hole holds the same value
+        self._random_last = random_last
+        self._literals = tuple(literals[:-1] if random_last else literals)
+        self._count = len(self._literals) - 1  # the holes holding the one value
+        self._linked = linked or self._count == 1
         self._start = len(self._head)
-        self._fixed = sum(map(len, literals))
+        self._fixed = sum(map(len, self._literals))
         self._want = want  # which hole holds the folded value
         self.key = key
 
     def match(self, data: bytes) -> str | None:
         """The folded value of ``data`` if it fits the template (non-empty), else None."""
-        if not self._linked:
+        end = len(data)
+        if self._random_last:  # the random hole opens at the last quote before the tail
+            end -= len(self._tail)
+            opens = data.rfind(_QUOTE, self._start, end)
+            random = data[opens + 1 : end]
+            valid = random.isalnum() or _is_string(random)  # (OpenAI's: letters and digits)
+            if opens < 0 or not valid or not data.endswith(self._tail):
+                return None
+            end = opens + 1
+        elif not self._linked:
             return self._match_holes(data)
-        # One value in every hole: its size follows from the length, and the data must be
-        # the literals joined by it.
-        size = (len(data) - self._fixed) // self._count
-        start = self._start
-        raw = data[start : start + size]
-        if size <= 0 or raw.join(self._literals) != data:
+        # One value in every hole up to ``end``: its size follows from the length, and the
+        # data must start with the literals joined by it.
+        size = end - self._fixed
+        if self._count > 1:
+            size, rest = divmod(size, self._count)
+            size = -1 if rest else size
+        raw = data[self._start : self._start + size]
+        if size <= 0 or not data.startswith(raw.join(self._literals)):
             return None
+        if _QUOTE not in raw and _BACKSLASH not in raw:  # (_value's common case, inline)
+            try:
+                value = raw.decode()
+            except UnicodeDecodeError:
+                return None
+            if value.isprintable():
+                return value
         return _value(raw)
 
     def _match_holes(self, data: bytes) -> str | None:
@@ -188,7 +216,10 @@ def learn(
     if any(_BACKSLASH in literal for literal in literals):
         return None
     linked = len(set(values)) == 1 and not any(path in random for path in holes)
-    return ChunkTemplate(literals, order.index(0), key, linked=linked)
+    last = order[-1]  # the hole in the last position
+    others = {value for hole, value in enumerate(values) if hole != last}
+    random_last = holes[last] in random and len(others) == 1
+    return ChunkTemplate(literals, order.index(0), key, linked=linked, random_last=random_last)
 
 
 def _spans(data: bytes, values: list[bytes]) -> list[tuple[int, int]] | None:
