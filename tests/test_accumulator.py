@@ -575,6 +575,12 @@ VECTORS: list[Any] = [
         id="empty-error-values-and-empty-finish-reason",
     ),
     pytest.param(
+        [chunk({**A, "content": "a"}), chunk({"content": "b"}, error={"message": "cut"}), DONE],
+        {"content": "ab", "end": "error", "error": {"message": "cut"}, "finish_reason": None},
+        [{"role": "assistant", "content": "a"}, {"content": "b"}],
+        id="error-beside-a-plain-delta",
+    ),
+    pytest.param(
         [chunk({"content": "a"}), bare(error="overloaded")],
         {"end": "error", "error": {"message": "overloaded"}, "content": "a"},
         [{"content": "a"}],
@@ -755,6 +761,18 @@ VECTORS += [
         {"content": "a\ufffdb\ufffdc\ufffd\ufffd", "end": "complete"},
         [{"content": "a"}, {"content": "\ufffdb\ufffdc\ufffd"}, {"content": "\ufffd"}],
         id="lone-surrogates-become-replacement-characters",
+    ),
+    pytest.param(
+        [
+            chunk({"reasoning_details": [{"type": R, "text": "x\ud83d"}]}),
+            chunk({"reasoning_details": [{"type": R, "text": "", "signature": "s"}]}),
+        ],
+        {"reasoning": [{"type": R, "text": "x\ufffd", "signature": "s"}], "end": "truncated"},
+        [
+            {"reasoning_details": [{"type": R, "text": "x"}]},
+            {"reasoning_details": [{"type": R, "text": "\ufffd", "signature": "s"}]},
+        ],
+        id="a-signed-entry-waits-for-no-other-half",
     ),
     pytest.param(
         [chunk({"content": "a"}), chunk({"content": "\ud83d"})],

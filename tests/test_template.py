@@ -210,6 +210,24 @@ def test_a_reasoning_template_does_not_outlive_its_entry() -> None:
     assert [entry["text"] for entry in acc.finish().reasoning] == ["abc", 'x"y', "de"]
 
 
+def test_a_reasoning_template_stops_at_a_signature() -> None:
+    """A signature ends its block: chunks of the template's shape after it start a new
+    entry (the template is dropped and the chunk parsed), as parsing alone would."""
+
+    def thought(value: str, signature: str | None = None) -> bytes:
+        detail = {"type": "reasoning.text", "text": value, "signature": signature}
+        return raw(envelope({"content": "", "reasoning_details": [detail]}))
+
+    for acc in (Accumulator(), Parsing()):
+        acc.fold_all([thought(v) for v in ("a", "b", "c")])
+        acc.fold_all([thought(" end", "sig-1")])
+        acc.fold_all([thought(v) for v in ("d", "e")])
+        assert [(e["text"], e.get("signature")) for e in acc.finish().reasoning] == [
+            ("abc end", "sig-1"),
+            ("de", None),
+        ]
+
+
 def test_a_stream_whose_chunks_never_repeat_rations_learning() -> None:
     acc = Accumulator()
     chunks = [text(f"w{i}", created=i) for i in range(400)]
@@ -296,6 +314,7 @@ OTHER = [
     raw(envelope({"content": "VALUE"}, usage={"total_tokens": 3})),
     raw(envelope({"content": "VALUE"}, created=1)),
     raw(envelope({}, finish_reason="stop")),
+    raw(envelope({"content": "VALUE"}, error={"message": "boom"})),
 ]
 
 

@@ -244,7 +244,8 @@ class Accumulator:
         them) in order; return how many added output. A field that matches the template of
         the stream's repetitive chunks is folded without parsing it."""
         added = 0
-        self._fed = self._fed or bool(fields)
+        if fields:
+            self._fed = True
         for data in fields:
             template = self._template
             if (
@@ -324,10 +325,10 @@ class Accumulator:
     def _fold_fast(self, fast: _Fast, value: str) -> bool:
         """Append ``value`` where ``fast`` says; False (and the template dropped) when the
         reasoning entry it continued no longer takes fragments."""
-        message = self._message
-        if fast.kind == "text":
+        message, kind = self._message, fast.kind
+        if kind == "text":
             message.content.append(value)
-        elif fast.kind == "args":
+        elif kind == "args":
             message.add_arguments(fast.call, value)
         else:
             entry, fragment = message.reasoning[-1], fast.fragment

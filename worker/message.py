@@ -71,7 +71,8 @@ def pair_surrogates(text: str) -> str:
 
 
 class _Call:
-    """One tool call merged so far; ``fresh``: id, type or name set since the last take."""
+    """One tool call merged so far; ``fresh``: its id, type or name were set since the
+    last take (and are published again, whole)."""
 
     __slots__ = ("args", "fresh", "id", "name", "type")
 
@@ -80,22 +81,20 @@ class _Call:
         self.args = _Parts()
         self.fresh = False
 
-    def take(self, index: int, fix: bool, ended: bool) -> dict[str, Any] | None:
-        """What the call added since the last take, published form; None: nothing."""
-        arguments = self.args.take(fix, ended)
-        function = {"arguments": arguments} if arguments else {}
+    def announce(self, index: int, arguments: str) -> dict[str, Any]:
+        """The fragment of a ``fresh`` call: its id, type and name, and ``arguments``."""
+        self.fresh = False
         fragment: dict[str, Any] = {"index": index}
-        if self.fresh:
-            self.fresh = False
-            if self.id:
-                fragment["id"] = self.id
-            if self.type:
-                fragment["type"] = self.type
-            if self.name:
-                function["name"] = self.name
+        if self.id:
+            fragment["id"] = self.id
+        if self.type:
+            fragment["type"] = self.type
+        function = {"name": self.name} if self.name else {}
+        if arguments:
+            function["arguments"] = arguments
         if function:
             fragment["function"] = function
-        return fragment if len(fragment) > 1 else None
+        return fragment
 
     def final(self, fix: bool, ended: bool) -> dict[str, Any]:
         function = {"name": self.name, "arguments": self.args.text(fix, ended)}
@@ -104,35 +103,35 @@ class _Call:
 
 class ReasoningEntry:
     """One reasoning entry merged so far: ``keys`` keep their first non-null value,
-    ``texts`` (the CONCAT keys) concatenate; ``shown``: how many keys the last take saw."""
+    ``texts`` (the CONCAT keys) concatenate; ``fresh``: a key was added since the last
+    take (the entry is published again, whole)."""
 
-    __slots__ = ("keys", "shown", "texts")
+    __slots__ = ("fresh", "keys", "texts")
 
     def __init__(self, fragment: dict[str, Any]) -> None:
         self.keys = {k: v for k, v in fragment.items() if k not in CONCAT}
         self.texts = {k: _Parts(v) for k, v in fragment.items() if k in CONCAT}
-        self.shown = 0
+        self.fresh = True
 
     def add(self, fragment: dict[str, Any]) -> None:
         for key, value in fragment.items():
-            if key in CONCAT:
-                self.texts.setdefault(key, _Parts()).append(value)
+            if key in CONCAT and key in self.texts:
+                self.texts[key].append(value)
+            elif key in CONCAT:
+                self.texts[key], self.fresh = _Parts(value), True
             elif key not in self.keys:
-                self.keys[key] = value
+                self.keys[key], self.fresh = value, True
 
     def take(self, fix: bool, ended: bool) -> dict[str, Any] | None:
         """What the entry added since the last take, with its keys, so that it joins the
         same entry when merged; None: nothing."""
-        ended = ended or "signature" in self.keys  # a signed entry takes no more
-        size = len(self.keys) + len(self.texts)
-        fresh, self.shown = size != self.shown, size
-        fragment, grew = dict(self.keys), False
+        ended = fix and (ended or "signature" in self.keys)  # a signed entry takes no more
+        fragment, fresh = dict(self.keys), self.fresh
+        self.fresh = False
         for key, parts in self.texts.items():
-            if fresh or len(parts) > parts.taken:
-                text = parts.take(fix, ended)
-                if text or fresh:
-                    fragment[key], grew = text, grew or text != ""
-        return fragment if fresh or grew else None
+            if (fresh or len(parts) > parts.taken) and ((text := parts.take(fix, ended)) or fresh):
+                fragment[key] = text
+        return fragment if len(fragment) > len(self.keys) or fresh else None
 
     def final(self, fix: bool, ended: bool) -> dict[str, Any]:
         ended = ended or "signature" in self.keys
@@ -142,7 +141,7 @@ class ReasoningEntry:
 class Message:
     """One choice's output merged so far (choice 0's holds the others in ``choices``)."""
 
-    __slots__ = ("_changed", "_entry_at", "_role_taken", "_thought", "calls", "choices",
+    __slots__ = ("_changed", "_entry_at", "_more", "_role_taken", "_thought", "calls", "choices",
                  "content", "finish_reason", "ids", "last_call", "reasoning", "refusal",
                  "role")  # fmt: skip
 
@@ -159,13 +158,17 @@ class Message:
         self._changed: set[int] = set()  # calls merged into since the last take
         self._entry_at = 0  # the last entry at the last take
         self._thought = False  # reasoning merged since the last take
+        self._more = False  # role, refusal or other choices merged since the last take
 
     def choice(self, index: int) -> Message:
-        return self if index == 0 else self.choices.setdefault(index, Message())
+        if index == 0:
+            return self
+        self._more = True
+        return self.choices.setdefault(index, Message())
 
     def set_role(self, role: str) -> None:
         if self.role is None:
-            self.role = role
+            self.role, self._more = role, True
 
     def add(self, delta: dict[str, Any]) -> None:
         """Merge a delta in the published form (docs/events.md); not validated."""
@@ -175,6 +178,7 @@ class Message:
             self.content.append(delta["content"])
         if delta.get("refusal"):
             self.refusal.append(delta["refusal"])
+            self._more = True
         for fragment in delta.get("reasoning_details", ()):
             self.add_reasoning(fragment)
         for call in delta.get("tool_calls", ()):
@@ -229,31 +233,47 @@ class Message:
         """What was merged since the last take, in the published form (only non-empty
         keys); ``fix`` and ``closed``: see :class:`_Parts`."""
         out = Delta()
-        ended = closed or self.finish_reason is not None
-        if self.role is not None and not self._role_taken:
-            out["role"], self._role_taken = self.role, True
-        content, refusal = self.content, self.refusal
+        ended = fix and (closed or self.finish_reason is not None)  # (only fix reads it)
+        content = self.content
         if len(content) > content.taken and (text := content.take(fix, ended)):
             out["content"] = text
-        if len(refusal) > refusal.taken and (text := refusal.take(fix, ended)):
-            out["refusal"] = text
         if (self._thought or (fix and self.reasoning)) and (
             fragments := self._take_reasoning(fix, ended)
         ):
             out["reasoning_details"] = fragments
         if self._changed and (calls := self._take_calls(fix, ended)):
             out["tool_calls"] = calls
+        if self._more or fix:
+            self._take_more(out, fix, closed)
+        return out
+
+    def _take_more(self, out: Delta, fix: bool, closed: bool) -> None:
+        """The role, the refusal and the other choices (rarer than the rest)."""
+        self._more = False
+        if self.role is not None and not self._role_taken:
+            out["role"], self._role_taken = self.role, True
+        refusal = self.refusal
+        ended = closed or self.finish_reason is not None
+        if len(refusal) > refusal.taken and (text := refusal.take(fix, ended)):
+            out["refusal"] = text
         if self.choices:
             others = sorted(self.choices.items())
             if choices := [{"index": i, **d} for i, m in others if (d := m.take(fix, closed))]:
                 out["choices"] = choices
-        return out
 
     def _take_calls(self, fix: bool, ended: bool) -> list[dict[str, Any]]:
         changed, calls, fragments = self._changed, self.calls, []
         for index in sorted(changed) if len(changed) > 1 else changed:
-            if (fragment := calls[index].take(index, fix, ended)) is not None:
-                fragments.append(fragment)
+            call = calls[index]
+            args, at = call.args, call.args.taken
+            if not fix and len(args) == at + 1:  # _Parts.take's usual case, inline (decision 19)
+                args.taken, arguments = at + 1, args[at]
+            else:
+                arguments = args.take(fix, ended)
+            if call.fresh:
+                fragments.append(call.announce(index, arguments))
+            elif arguments:
+                fragments.append({"index": index, "function": {"arguments": arguments}})
         changed.clear()
         if fix:  # a call whose last part waits for its surrogate's other half: take it again
             changed.update(i for i, call in calls.items() if len(call.args) > call.args.taken)
@@ -261,10 +281,13 @@ class Message:
 
     def _take_reasoning(self, fix: bool, ended: bool) -> list[dict[str, Any]]:
         entries, last, fragments = self.reasoning, len(self.reasoning) - 1, []
-        for i in range(self._entry_at, last + 1):  # the entries closed since, and the last
-            if (fragment := entries[i].take(fix, ended or i < last)) is not None:
-                fragments.append(fragment)
+        if self._entry_at < last:  # entries closed since the last take
+            for entry in entries[self._entry_at : last]:
+                if (fragment := entry.take(fix, True)) is not None:
+                    fragments.append(fragment)
         self._entry_at, self._thought = last, False
+        if (fragment := entries[last].take(fix, ended)) is not None:
+            fragments.append(fragment)
         return fragments
 
     def final(self, fix: bool, closed: bool) -> dict[str, Any]:

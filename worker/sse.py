@@ -65,7 +65,7 @@ class SSEDecoder:
         self._at_start = True  # a BOM may still come
         self._head = b""  # the first bytes of the stream while the BOM is undecided
         self._skip_lf = False  # the previous read ended with CR
-        self._special = True  # _at_start or _skip_lf: _complete() must call _normalize()
+        self._special = True  # _at_start or _skip_lf: feed_data() must call _normalize()
         # The unfinished event (never starts with LF, never holds a blank line): ``_rest``,
         # or, once reads without a boundary were added to it, the pieces in ``_parts``.
         self._rest = b""
@@ -77,11 +77,30 @@ class SSEDecoder:
         one), whatever its type, as UTF-8 bytes that are not validated:
         ``.decode("utf-8", "replace")`` gives the event's data. Builds no objects and
         decodes nothing when the read holds only plain ``data:`` events and comments."""
-        complete = self._complete(data)
-        if complete[:6] == b"data: " and _LF not in complete:  # one plain event
-            return [complete[6:]]
-        if not complete:
+        if self._special or _CR in data:
+            data = self._normalize(data)
+        cut = data.rfind(b"\n\n")  # the complete events end at the last blank line
+        if cut < 0 and not (data[:1] == b"\n" and self._rest_ends_with_lf()):
+            self._keep(data)
             return []
+        rest = self._join_parts() if self._parts else self._rest
+        if rest:  # cut == -1 when the blank line is the LF that opens this read
+            cut += len(rest)
+            data = rest + data
+        self._rest = tail = data[cut + 2 :]
+        limit = self._max
+        if len(tail) > limit:
+            self._check_rest()
+        if cut <= 0:
+            return []
+        if cut > limit:
+            self._check_events(data[:cut])
+        if data[:6] == b"data: " and _LF not in (field := data[6:cut]):  # one plain event
+            return [field]
+        return self._events(data[:cut])
+
+    def _events(self, complete: bytes) -> list[bytes]:
+        """The data of the complete events (without their closing blank line)."""
         if complete[:1] == b":" or b"\n\n:" in complete:  # drop comment-only blocks
             complete = _COMMENT_BLOCK.sub(b"", b"\n\n" + complete).lstrip(b"\n")
         if complete[:6] == b"data: ":
@@ -91,28 +110,6 @@ class SSEDecoder:
         if not complete:
             return []
         return [data.encode() for data in _interpret(complete.decode("utf-8", "replace"))]
-
-    def _complete(self, data: bytes) -> bytes:
-        """Add one read; return the complete events it ends, without their closing blank
-        line (b"" when it ends none)."""
-        if self._special or _CR in data:
-            data = self._normalize(data)
-        cut = data.rfind(b"\n\n")
-        if cut < 0 and not (data[:1] == b"\n" and self._rest_ends_with_lf()):
-            self._keep(data)
-            return b""
-        rest = self._join_parts() if self._parts else self._rest
-        if rest:  # cut == -1 when the blank line is the LF that opens this read
-            cut += len(rest)
-            data = rest + data
-        self._rest = tail = data[cut + 2 :]
-        if len(tail) > self._max:
-            self._check_rest()
-        if cut <= 0:
-            return b""
-        if cut > self._max:
-            self._check_events(data[:cut])
-        return data[:cut]
 
     def _normalize(self, data: bytes) -> bytes:
         """Swallow the LF of a split CRLF, strip the BOM, turn CRLF and CR into LF."""
