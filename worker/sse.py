@@ -84,20 +84,21 @@ class SSEDecoder:
             self._keep(data)
             return []
         rest = self._join_parts() if self._parts else self._rest
-        if rest:  # cut == -1 when the blank line is the LF that opens this read
-            cut += len(rest)
-            data = rest + data
         self._rest = tail = data[cut + 2 :]
+        if rest:  # cut == -1 when the blank line is the LF that opens this read
+            block = rest + data[:cut] if cut >= 0 else rest[:-1]
+        else:
+            block = data[:cut] if cut > 0 else b""
         limit = self._max
         if len(tail) > limit:
             self._check_rest()
-        if cut <= 0:
+        if not block:
             return []
-        if cut > limit:
-            self._check_events(data[:cut])
-        if data[:6] == b"data: " and _LF not in (field := data[6:cut]):  # one plain event
+        if len(block) > limit:
+            self._check_events(block)
+        if block[:6] == b"data: " and _LF not in (field := block[6:]):  # one plain event
             return [field]
-        return self._events(data[:cut])
+        return self._events(block)
 
     def _events(self, complete: bytes) -> list[bytes]:
         """The data of the complete events (without their closing blank line)."""

@@ -67,7 +67,7 @@ class ChunkTemplate(Generic[K]):
     is what the accumulator needs to fold the value (what it appends to)."""
 
     __slots__ = ("_count", "_fixed", "_head", "_linked", "_literals", "_middles",
-                 "_random_last", "_start", "_tail", "_want", "key")  # fmt: skip
+                 "_random_last", "_start", "_tail", "_tail_size", "_want", "key")  # fmt: skip
 
     def __init__(
         self, literals: list[bytes], want: int, key: K, *, linked: bool, random_last: bool
@@ -75,6 +75,7 @@ class ChunkTemplate(Generic[K]):
         """``linked``: every hole held the same value; ``random_last``: all but the last
         did, and the last is a random string (see the module docstring)."""
         self._head, *self._middles, self._tail = literals  # the tail is never b""
+        self._tail_size = len(self._tail)
         self._random_last = random_last
         self._literals = tuple(literals[:-1] if random_last else literals)
         self._count = len(self._literals) - 1  # the holes holding the one value
@@ -86,10 +87,10 @@ class ChunkTemplate(Generic[K]):
 
     def match(self, data: bytes) -> str | None:
         """The folded value of ``data`` if it fits the template (non-empty), else None."""
-        end = len(data)
+        end, start = len(data), self._start
         if self._random_last:  # the random hole opens at the last quote before the tail
-            end -= len(self._tail)
-            opens = data.rfind(_QUOTE, self._start, end)
+            end -= self._tail_size
+            opens = data.rfind(_QUOTE, start, end)
             random = data[opens + 1 : end]
             valid = random.isalnum() or _is_string(random)  # (OpenAI's: letters and digits)
             if opens < 0 or not valid or not data.endswith(self._tail):
@@ -103,7 +104,7 @@ class ChunkTemplate(Generic[K]):
         if self._count > 1:
             size, rest = divmod(size, self._count)
             size = -1 if rest else size
-        raw = data[self._start : self._start + size]
+        raw = data[start : start + size]
         if size <= 0 or not data.startswith(raw.join(self._literals)):
             return None
         if _QUOTE not in raw and _BACKSLASH not in raw:  # (_value's common case, inline)
