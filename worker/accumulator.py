@@ -243,9 +243,9 @@ class Accumulator:
         """Fold the data fields of one read (raw bytes, as ``SSEDecoder.feed_data`` returns
         them) in order; return how many added output. A field that matches the template of
         the stream's repetitive chunks is folded without parsing it."""
-        added = 0
-        if fields:
-            self._fed = True
+        if not fields:
+            return 0
+        added, self._fed = 0, True
         for data in fields:
             template = self._template
             if (
@@ -326,10 +326,10 @@ class Accumulator:
         """Append ``value`` where ``fast`` says; False (and the template dropped) when the
         reasoning entry it continued no longer takes fragments."""
         message, kind = self._message, fast.kind
-        if kind == "text":
-            message.content.append(value)
-        elif kind == "args":
+        if kind == "args":
             message.add_arguments(fast.call, value)
+        elif kind == "text":
+            message.content.append(value)
         else:
             entry, fragment = message.reasoning[-1], fast.fragment
             if entry is not fast.entry or fragment is None or not joins(entry, fragment):

@@ -235,7 +235,7 @@ class Message:
         out = Delta()
         ended = fix and (closed or self.finish_reason is not None)  # (only fix reads it)
         content = self.content
-        if len(content) > content.taken and (text := content.take(fix, ended)):
+        if content and len(content) > content.taken and (text := content.take(fix, ended)):
             out["content"] = text
         if (self._thought or (fix and self.reasoning)) and (
             fragments := self._take_reasoning(fix, ended)
