@@ -2,15 +2,17 @@
 
 Run: ``.venv/bin/python bench/bench_parse.py`` (``--quick`` for a fast smoke run).
 
-The same response bodies, pre-split into reads of 300 bytes and of 64 KiB (so splitting is
-not measured), go through three pipelines; each is timed with ``time.perf_counter`` and
+The same response bodies, pre-split into reads (so splitting is not measured): one SSE
+event per read (what OpenAI and OpenRouter send: each event in its own write), 300 bytes
+(every event of these bodies is cut in two) and 64 KiB (hundreds of events per read), go
+through three pipelines; each is timed with ``time.perf_counter`` and
 the best of several runs is reported as chunks (SSE data events) per second:
 
 ours
     what ``worker/pipeline.py`` does: ``worker.sse.SSEDecoder.feed_data`` on each read,
     ``Accumulator.fold_all`` on its events' data (JSON parsing, ``[DONE]``, folding into
     the final message) and ``Accumulator.take_delta()`` once per read (the read's merged
-    delta to publish), then ``SSEDecoder.flush`` and ``Accumulator.finish``.
+    delta to publish), then ``Accumulator.finish``.
 httpx-sse + json.loads (decoding only, no accumulation)
     what ``httpx_sse.EventSource.iter_sse`` does per read: ``httpx._decoders.TextDecoder``
     (incremental UTF-8), ``httpx_sse._decoders.SSELineDecoder.decode`` for lines,
@@ -26,13 +28,18 @@ openai SDK (its streaming + accumulation path, openai 3.x)
     ``openai.lib.streaming.chat.ChatCompletionStreamState.handle_chunk`` with its events
     consumed; finally ``get_final_completion()``.
 
-Bodies (deterministic, OpenAI/OpenRouter-shaped chunks with id, object, created, model,
-system_fingerprint and choices[{index, delta, logprobs, finish_reason}]; each ends with
-a finish chunk, a usage chunk with empty choices, and ``data: [DONE]``):
+Bodies (deterministic, shaped like real providers' chunks; each ends with a finish chunk,
+a usage chunk with empty choices, and ``data: [DONE]``):
 
-text       a long text reply, role on the first chunk, ``: keep-alive`` every 50 chunks
-tools      three parallel tool calls whose arguments stream in 2-8 character fragments
-reasoning  ``reasoning`` + ``reasoning_details`` fragments, then the content
+text       OpenAI: a long text reply. Every chunk has OpenAI's envelope (service_tier,
+           system_fingerprint, ``logprobs: null``), ``"usage": null`` (what
+           ``stream_options.include_usage`` sends before the usage chunk) and a random
+           ``obfuscation`` string; the first delta is ``{role, content: "", refusal: null}``
+tools      OpenAI: three parallel tool calls whose arguments stream in 2-8 character
+           fragments (JSON, so ``\\"`` escapes are common), same envelope
+reasoning  OpenRouter: ``role`` on every delta, ``reasoning`` beside ``reasoning_details``,
+           ``native_finish_reason``, a ``: OPENROUTER PROCESSING`` comment first; then the
+           content
 
 Before timing, the three pipelines are checked to agree on the final content, reasoning
 and tool-call arguments (httpx-sse: on the number of chunks).
@@ -60,7 +67,8 @@ from openai.types.chat import ChatCompletionChunk
 from worker.accumulator import Accumulator, FinalMessage
 from worker.sse import SSEDecoder
 
-READ_SIZES = (300, 64 * 1024)
+EVENT = 0  # a read size: one SSE event (or comment) per read
+READ_SIZES = (EVENT, 300, 64 * 1024)
 CHUNK_ID = "gen-1751299200-Qx8vJm3kPz1RtY6wLb0N"
 MODEL = "z-ai/glm-5.2"
 CREATED = 1751299200
@@ -83,41 +91,70 @@ class Body:
 
 
 class _Writer:
-    def __init__(self, keepalive_every: int = 0) -> None:
+    """Writes one provider's chunks: ``envelope(choices, rng)`` is its chunk around them."""
+
+    def __init__(self, envelope: Callable[[list[Any], random.Random], dict[str, Any]]) -> None:
         self.parts: list[str] = []
         self.chunks = 0
-        self.keepalive_every = keepalive_every
+        self.envelope = envelope
+        self.rng = random.Random(0)
 
     def comment(self, text: str) -> None:
         self.parts.append(f": {text}\n\n")
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> None:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        self.raw({"choices": [choice]})
+        self.raw(self.envelope([(delta, finish)], self.rng))
 
-    def raw(self, fields: dict[str, Any]) -> None:
-        body = {
-            "id": CHUNK_ID,
-            "object": "chat.completion.chunk",
-            "created": CREATED,
-            "model": MODEL,
-            "system_fingerprint": "fp_3b1c2a9e7d",
-            **fields,
-        }
-        self.parts.append(
-            f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-        )
+    def raw(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        self.parts.append(f"data: {data}\n\n")
         self.chunks += 1
-        if self.keepalive_every and self.chunks % self.keepalive_every == 0:
-            self.comment("keep-alive")
 
     def end(self, finish: str, name: str) -> Body:
         self.chunk({}, finish)
         usage = {"prompt_tokens": 812, "completion_tokens": self.chunks, "total_tokens": 0}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        self.raw({"choices": [], "usage": usage})
+        self.raw({**self.envelope([], self.rng), "usage": usage})
         self.parts.append("data: [DONE]\n\n")
         return Body(name, "".join(self.parts).encode(), self.chunks + 1)
+
+
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def openai_chunk(choices: list[Any], rng: random.Random) -> dict[str, Any]:
+    """OpenAI with ``stream_options.include_usage``: ``"usage": null`` on every chunk but
+    the last, and a random ``obfuscation`` padding on every chunk."""
+    return {
+        "id": "chatcmpl-BxQ3kVZ8yN2mRt7LpW4eHs9FjC1aD",
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": "gpt-4.1-mini-2025-04-14",
+        "service_tier": "default",
+        "system_fingerprint": "fp_6f2eabb9a5",
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            for delta, finish in choices
+        ],
+        "usage": None,
+        "obfuscation": "".join(rng.choices(_ALNUM, k=rng.randint(2, 16))),
+    }
+
+
+def openrouter_chunk(choices: list[Any], rng: random.Random) -> dict[str, Any]:
+    """OpenRouter: ``role`` on every delta, ``native_finish_reason``, no usage key."""
+    return {
+        "id": CHUNK_ID,
+        "provider": "Z.AI",
+        "model": MODEL,
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", **delta}, "finish_reason": finish,
+             "native_finish_reason": finish, "logprobs": None}
+            for delta, finish in choices
+        ],
+    }  # fmt: skip
 
 
 def _tokens(rng: random.Random, count: int) -> Iterator[str]:
@@ -128,27 +165,27 @@ def _tokens(rng: random.Random, count: int) -> Iterator[str]:
 
 def text_body(chunks: int) -> Body:
     rng = random.Random(1)
-    out = _Writer(keepalive_every=50)
-    out.comment("OPENROUTER PROCESSING")
-    for i, token in enumerate(_tokens(rng, chunks)):
-        out.chunk({"role": "assistant", "content": token} if i == 0 else {"content": token})
+    out = _Writer(openai_chunk)
+    out.chunk({"role": "assistant", "content": "", "refusal": None})
+    for token in _tokens(rng, chunks - 1):
+        out.chunk({"content": token})
     return out.end("stop", "text")
 
 
 def tools_body(chunks: int) -> Body:
     rng = random.Random(2)
-    out = _Writer()
+    out = _Writer(openai_chunk)
     per_call = max(chunks // 3, 2)
     for index in range(3):
         args = json.dumps(
             {"query": " ".join(_tokens(rng, per_call)), "limit": 10, "lang": "fr"},
             ensure_ascii=False,
         )
-        call = {"index": index, "id": f"call_{index}_{rng.getrandbits(48):x}", "type": "function"}
+        call = {"index": index, "id": f"call_{rng.getrandbits(96):024x}", "type": "function"}
         function = {"name": "search_documents", "arguments": ""}
         delta: dict[str, Any] = {"tool_calls": [{**call, "function": function}]}
         if index == 0:
-            delta = {"role": "assistant", "content": None, **delta}
+            delta = {"role": "assistant", "content": None, **delta, "refusal": None}
         out.chunk(delta)
         pos = 0
         while pos < len(args):
@@ -161,19 +198,20 @@ def tools_body(chunks: int) -> Body:
 
 def reasoning_body(chunks: int) -> Body:
     rng = random.Random(3)
-    out = _Writer()
+    out = _Writer(openrouter_chunk)
     out.comment("OPENROUTER PROCESSING")
     thinking = chunks * 2 // 3
-    for i, token in enumerate(_tokens(rng, thinking)):
+    for token in _tokens(rng, thinking):
         detail = {"type": "reasoning.text", "text": token, "format": "unknown", "index": 0}
-        delta = {"content": "", "reasoning": token, "reasoning_details": [detail]}
-        out.chunk({"role": "assistant", **delta} if i == 0 else delta)
+        out.chunk({"content": "", "reasoning": token, "reasoning_details": [detail]})
     for token in _tokens(rng, chunks - thinking):
         out.chunk({"content": token})
     return out.end("stop", "reasoning")
 
 
 def split(data: bytes, size: int) -> list[bytes]:
+    if size == EVENT:
+        return [block + b"\n\n" for block in data.split(b"\n\n") if block]
     return [data[i : i + size] for i in range(0, len(data), size)]
 
 
@@ -188,7 +226,6 @@ def run_ours(reads: list[bytes]) -> FinalMessage:
     for read in reads:
         fold_all(feed(read))
         take()
-    decoder.flush()
     return accumulator.finish()
 
 
@@ -339,8 +376,9 @@ def main() -> None:
                 min(worst_httpx, ours / httpx),
                 min(worst_openai, ours / openai),
             )
+            read = size or "event"
             print(
-                f"{body.name:<10} {size:>6} {body.chunks:>6} {ours:>11,.0f} {httpx:>11,.0f} "
+                f"{body.name:<10} {read:>6} {body.chunks:>6} {ours:>11,.0f} {httpx:>11,.0f} "
                 f"{openai:>9,.0f} {ours / httpx:>13.2f}x {ours / openai:>10.1f}x"
             )
             parts.append((body.name, size, body.chunks, *breakdown(reads, 7)))
@@ -353,7 +391,7 @@ def main() -> None:
     for name, size, chunks, *seconds in parts:
         sse, fold, take, theirs, loads = (t / chunks * 1e6 for t in seconds)
         print(
-            f"{name:<10} {size:>6} {sse:>6.2f} {fold:>6.2f} {take:>6.2f} "
+            f"{name:<10} {size or 'event':>6} {sse:>6.2f} {fold:>6.2f} {take:>6.2f} "
             f"{sse + fold + take:>6.2f} {theirs:>13.2f} {loads:>10.2f}"
         )
     print()

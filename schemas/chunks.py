@@ -44,8 +44,9 @@ class ToolCallDelta(_Model):
 class ReasoningDetail(_Model):
     """A reasoning fragment (``reasoning.text``, ``reasoning.summary``, ``reasoning.encrypted``).
 
-    Consecutive fragments of the same type (and index) concatenate ``text`` / ``summary``;
-    encrypted entries (``data``) stay whole.
+    Consecutive fragments of the same type (and index) concatenate ``text`` / ``summary``
+    until one brings a ``signature``, which ends the block; encrypted entries (``data``)
+    stay whole.
     """
 
     type: str | None = None
@@ -70,7 +71,7 @@ class ChoiceDelta(_Model):
 
 
 class Choice(_Model):
-    index: int = 0  # always 0: n > 1 is not supported
+    index: int = 0  # with n > 1, which choice (each accumulates on its own)
     delta: ChoiceDelta = Field(default_factory=ChoiceDelta)
     finish_reason: str | None = None  # null until the terminal chunk; see FINISH_REASONS
 
@@ -104,3 +105,4 @@ class ChatCompletionChunk(_Model):
     web_search: dict[str, Any] | None = None
     free_tier: dict[str, Any] | None = None
     error: StreamError | None = None
+    obfuscation: str | None = None  # OpenAI: random padding of the chunk's length; ignored

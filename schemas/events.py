@@ -57,25 +57,47 @@ class ToolCallFragment(_Data):
     function: FunctionFragment | None = Field(None, description="Name and/or arguments piece.")
 
 
-class DeltaData(_Data):
-    """``data`` of a ``delta`` entry: everything that arrived since the previous delta entry.
+class ChoiceDeltaData(_Data):
+    """What one choice added: choice 0's keys are the top level of ``DeltaData``; with
+    n > 1 the other choices' are under ``choices``, each with its ``index``.
 
     Only non-empty keys are present. Merge consecutive deltas in order: ``role`` is set
-    once; ``content`` concatenates; ``tool_calls`` merge by ``index`` (``id``, ``type`` and
-    ``function.name`` keep the first non-empty value, ``function.arguments``
-    concatenate); a ``reasoning_details`` fragment joins the last entry when both have the
-    same ``type`` (not ``reasoning.encrypted``) and equal ``index`` (or either has none),
-    concatenating ``text`` / ``summary`` and keeping the first non-null value of every
-    other key, else it starts a new entry.
+    once; ``content`` and ``refusal`` concatenate; ``tool_calls`` merge by ``index``
+    (``id``, ``type`` and ``function.name`` keep the first non-empty value,
+    ``function.arguments`` concatenate); a ``reasoning_details`` fragment joins the last
+    entry when both have the same ``type`` (not ``reasoning.encrypted``), equal ``index``
+    (or either has none) and the entry has no ``signature`` yet, concatenating ``text`` /
+    ``summary`` and keeping the first non-null value of every other key, else it starts a
+    new entry.
     """
 
     role: str | None = Field(None, description='The message role ("assistant"), once.')
     content: str | None = Field(None, description="Text to append to the message content.")
+    refusal: str | None = Field(
+        None, description="Text to append to the message's refusal (the model declined)."
+    )
     reasoning_details: list[ReasoningDetail] | None = Field(
-        None, description="Reasoning fragments to merge into the reasoning entries."
+        None,
+        description="Reasoning fragments to merge into the reasoning entries; each carries "
+        "its entry's other keys (type, index, signature, ...).",
     )
     tool_calls: list[ToolCallFragment] | None = Field(
         None, description="Tool-call fragments to merge by index."
+    )
+
+
+class OtherChoiceDeltaData(ChoiceDeltaData):
+    """What a choice other than 0 added (n > 1)."""
+
+    index: int = Field(ge=1, description="The choice (choices[].index upstream).")
+
+
+class DeltaData(ChoiceDeltaData):
+    """``data`` of a ``delta`` entry: everything that arrived since the previous delta entry:
+    choice 0's output at the top level, the other choices' (n > 1) under ``choices``."""
+
+    choices: list[OtherChoiceDeltaData] | None = Field(
+        None, description="n > 1: what the other choices added, by index."
     )
 
 
@@ -100,24 +122,44 @@ class ErrorObject(_Data):
     )
 
 
-class DoneData(_Data):
+class ChoiceFinish(_Data):
+    """How a choice other than 0 ended (n > 1)."""
+
+    index: int = Field(ge=1, description="The choice.")
+    finish_reason: str | None = Field(description="Its finish_reason.")
+
+
+class _Extras(_Data):
+    """What a terminal entry carries besides its type's fields, when the upstream sent it."""
+
+    web_search: Any = Field(None, description="Provider extra (the last non-null value).")
+    free_tier: Any = Field(None, description="Provider extra (the last non-null value).")
+
+
+class _Finished(_Extras):
+    choices: list[ChoiceFinish] | None = Field(
+        None, description="n > 1: the other choices' finish_reason, by index."
+    )
+
+
+class DoneData(_Finished):
     """``data`` of a ``done`` entry: the job succeeded."""
 
-    finish_reason: str | None = Field(description="The upstream's finish_reason.")
+    finish_reason: str | None = Field(description="The upstream's finish_reason (choice 0).")
     usage: dict[str, Any] | None = Field(description="Token usage (the last non-null usage).")
 
 
-class ErrorData(_Data):
+class ErrorData(_Finished):
     """``data`` of an ``error`` entry: the job failed; deltas before it are the partial output."""
 
     error: ErrorObject
     finish_reason: str | None = Field(
-        None, description="The upstream's finish_reason, if it sent one."
+        None, description="The upstream's finish_reason (choice 0), if it sent one."
     )
     usage: dict[str, Any] | None = Field(None, description="Token usage, if the upstream sent it.")
 
 
-class CancelledData(_Data):
+class CancelledData(_Finished):
     """``data`` of a ``cancelled`` entry: the job was cancelled."""
 
     usage: dict[str, Any] | None = Field(
@@ -138,10 +180,13 @@ class StreamEvent(BaseModel):
     """One entry of ``<prefix>:job:{<id>}:events``.
 
     ``id`` is the stream entry id: the resume cursor. ``data`` depends on ``type``:
-    delta: ``{role?, content?, reasoning_details?, tool_calls?}`` (what arrived since the
-    previous delta entry; tool-call fragments carry their ``index``);
-    reset: ``{reason}``; done: ``{finish_reason, usage}``; error: ``{error, finish_reason?,
-    usage?}``; cancelled: ``{usage?}``. See ``DATA_MODELS`` for each type's model.
+    delta: ``{role?, content?, refusal?, reasoning_details?, tool_calls?, choices?}`` (what
+    arrived since the previous delta entry; tool-call fragments carry their ``index``;
+    ``choices``: the other choices' with their ``index``, n > 1); reset: ``{reason}``;
+    done: ``{finish_reason, usage}``; error: ``{error, finish_reason?, usage?}``;
+    cancelled: ``{usage?}``; a terminal entry adds ``web_search`` / ``free_tier`` when the
+    upstream sent them and, n > 1, ``choices: [{index, finish_reason}]``. See
+    ``DATA_MODELS`` for each type's model.
     """
 
     id: str = Field(description="The stream entry id, e.g. 1718000000000-0: the resume cursor.")

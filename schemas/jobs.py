@@ -21,15 +21,35 @@ TERMINAL: frozenset[JobStatus] = frozenset(
     {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}
 )
 
+EXTRAS = ("web_search", "free_tier")
+"""Provider extras the seeds name: the last non-null value, on the record and the terminal
+entry of the events stream."""
+
+OUTPUT_FIELDS = (
+    "content",
+    "refusal",
+    "reasoning",
+    "tool_calls",
+    "choices",
+    "finish_reason",
+    "usage",
+    "completion_id",
+    "model",
+    *EXTRAS,
+)
+"""The record fields the terminal write fills from the attempt's output (empty when there is
+none); a requeue clears them. ``worker.accumulator.FinalMessage`` has an attribute of each
+name (the extras in ``FinalMessage.extras``)."""
+
 JSON_FIELDS = (
     "request",
     "reasoning",
     "tool_calls",
+    "choices",
     "usage",
     "error",
     "metadata",
-    "web_search",
-    "free_tier",
+    *EXTRAS,
 )
 FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "requeued_at")
 FLAG_FIELDS = ("cancel_requested", "dead_pending")  # stored as "1"
@@ -52,12 +72,19 @@ class JobRecord(BaseModel):
     attempt: int = Field(0, description="The latest attempt number (0 until one starts).")
     worker: str | None = Field(None, description="The worker running (or that ran) the attempt.")
     content: str = Field("", description="The final message content (partial on failure).")
+    refusal: str = Field("", description="The model's refusal message, when it refused.")
     reasoning: list[dict[str, Any]] = Field(
         default_factory=list, description="The merged reasoning_details entries."
     )
     tool_calls: list[dict[str, Any]] = Field(
         default_factory=list,
         description="The final tool calls: {id, type, function: {name, arguments}}.",
+    )
+    choices: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="With n > 1, the other choices (index 1, 2, ...), each {index, role, "
+        "content, refusal, reasoning, tool_calls, finish_reason}; the top-level fields are "
+        "choice 0's.",
     )
     finish_reason: str | None = Field(None, description="The upstream's finish_reason.")
     usage: dict[str, Any] | None = Field(

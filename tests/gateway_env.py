@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource, ServerSentEvent
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
@@ -20,7 +21,6 @@ from worker.gateway import serve_gateway
 from worker.mock_upstream import MockUpstream
 from worker.runner import Worker
 from worker.settings import Settings
-from worker.sse import ServerSentEvent, SSEDecoder
 from worker.tasks import cancel_and_wait
 
 KEY = "sk-gateway-test-one"
@@ -81,13 +81,15 @@ async def running_gateway(
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[ServerSentEvent]:
-    """The events of a streaming response, as our own WHATWG decoder reads them."""
-    decoder = SSEDecoder()
-    async for data in response.aiter_raw():
-        for event in decoder.feed(data):
-            yield event
-    for event in decoder.flush():
+    """The events of a streaming response, as an independent client (httpx-sse) reads them."""
+    async for event in EventSource(response).aiter_sse():
         yield event
+
+
+def parse_frames(frames: bytes | str) -> list[ServerSentEvent]:
+    """The events of SSE frames, as httpx-sse reads them."""
+    headers = {"content-type": "text/event-stream"}
+    return list(EventSource(httpx.Response(200, content=frames, headers=headers)).iter_sse())
 
 
 def chunks_of(events: list[ServerSentEvent]) -> list[dict[str, Any]]:

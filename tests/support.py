@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 from unittest import mock
@@ -21,10 +22,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas.events import EventType, StreamEvent
-from schemas.jobs import JobRecord, JobStatus
+from schemas.jobs import EXTRAS, JobRecord, JobStatus
 from tests.conftest import Harness, RedisServer
 from worker import gate as gate_module
-from worker.accumulator import Delta
+from worker.accumulator import Delta, FinalMessage
 from worker.client import Client
 from worker.keys import GROUP, Keys
 from worker.mock_upstream import MockConfig, expected_reply
@@ -45,24 +46,92 @@ async def stream_entries(redis: Redis, keys: Keys, job_id: str) -> list[StreamEv
     return [StreamEvent.from_entry(str(eid), dict(fields)) for eid, fields in rows]
 
 
-def merge_deltas(events: list[StreamEvent]) -> Delta:
+@dataclass
+class Merged:
+    """A job's published deltas merged by ``Delta.merge`` (what the publisher runs)."""
+
+    data: Delta  # the merged delta, published form
+
+    @property
+    def role(self) -> str | None:
+        return self.data.get("role")
+
+    @property
+    def content(self) -> str:
+        return str(self.data.get("content", ""))
+
+    @property
+    def refusal(self) -> str:
+        return str(self.data.get("refusal", ""))
+
+    @property
+    def reasoning_details(self) -> list[dict[str, Any]]:
+        return list(self.data.get("reasoning_details", []))
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:  # fragments merged by index
+        return list(self.data.get("tool_calls", []))
+
+
+def merged(deltas: Iterable[dict[str, Any]]) -> Merged:
+    """``deltas`` (published form) merged in order."""
+    out = Delta()
+    for delta in deltas:
+        out.merge(delta)
+    return Merged(out)
+
+
+def merge_deltas(events: list[StreamEvent]) -> Merged:
     """The deltas of the last attempt merged in order (a ``reset`` voids earlier ones)."""
-    merged = Delta()
-    for event in events:
-        if event.type is EventType.RESET:
-            merged = Delta()
-        elif event.type is EventType.DELTA:
-            merged.merge(Delta.from_json(event.data))
-    return merged
+    start = max((i + 1 for i, e in enumerate(events) if e.type is EventType.RESET), default=0)
+    return merged(e.data for e in events[start:] if e.type is EventType.DELTA)
 
 
-def final_tool_calls(delta: Delta) -> list[dict[str, Any]]:
+def record_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Merged tool-call fragments in the record's shape (index order, no ``index``)."""
-    calls = sorted(delta.tool_calls, key=lambda call: int(call["index"]))
-    return [{k: v for k, v in call.items() if k != "index"} for call in calls]
+    out = []
+    for call in sorted(calls, key=lambda call: int(call["index"])):
+        function = call.get("function", {})
+        name, arguments = function.get("name", ""), function.get("arguments", "")
+        out.append(
+            {
+                "id": call.get("id", ""),
+                "type": call.get("type") or "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+        )
+    return out
 
 
-def check_stream(events: list[StreamEvent], record: JobRecord) -> Delta:
+def final_tool_calls(delta: Merged) -> list[dict[str, Any]]:
+    return record_calls(delta.tool_calls)
+
+
+OUTPUT = ("content", "refusal", "reasoning", "tool_calls")
+
+
+def output_of(reply: Merged | FinalMessage | JobRecord) -> dict[str, Any]:
+    """What merged deltas, the final message and the record must agree on: content,
+    refusal, reasoning and tool calls (the record's shape), of choice 0 and the others."""
+    if isinstance(reply, Merged):
+        top = _published_output(reply.data)
+        others = {c["index"]: _published_output(c) for c in reply.data.get("choices", [])}
+    else:
+        top = {key: getattr(reply, key) for key in OUTPUT}
+        others = {c["index"]: {key: c[key] for key in OUTPUT} for c in reply.choices or []}
+    return {**top, "choices": {i: out for i, out in others.items() if any(out.values())}}
+
+
+def _published_output(delta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "content": delta.get("content", ""),
+        "refusal": delta.get("refusal", ""),
+        "reasoning": delta.get("reasoning_details", []),
+        "tool_calls": record_calls(delta.get("tool_calls", [])),
+    }
+
+
+def check_stream(events: list[StreamEvent], record: JobRecord) -> Merged:
     """The invariants every finished job's stream keeps; returns the merged deltas."""
     assert record.terminal, record
     terminals = [event for event in events if event.terminal]
@@ -75,17 +144,25 @@ def check_stream(events: list[StreamEvent], record: JobRecord) -> Delta:
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     merged = merge_deltas(events)
     if record.status is not JobStatus.CANCELLED:
-        assert merged.content == record.content
-        assert merged.reasoning_details == record.reasoning
-        assert final_tool_calls(merged) == record.tool_calls
+        assert output_of(merged) == output_of(record)
     if record.status is JobStatus.FAILED:
         assert record.error is not None
         assert events[-1].data["error"] == record.error
     else:
         assert record.error is None
     if record.status is JobStatus.SUCCEEDED:
-        assert events[-1].data == {"finish_reason": record.finish_reason, "usage": record.usage}
+        assert events[-1].data == terminal_data(record)
     return merged
+
+
+def terminal_data(record: JobRecord) -> dict[str, Any]:
+    """A succeeded job's ``done`` entry, from its record."""
+    data: dict[str, Any] = {"finish_reason": record.finish_reason, "usage": record.usage}
+    data.update((name, getattr(record, name)) for name in EXTRAS if getattr(record, name))
+    if record.choices:
+        data["choices"] = [{"index": c["index"], "finish_reason": c["finish_reason"]}
+                           for c in record.choices]  # fmt: skip
+    return data
 
 
 async def queue_is_empty(redis: Redis, keys: Keys) -> bool:

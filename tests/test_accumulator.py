@@ -1,4 +1,9 @@
-"""Accumulator vectors (data strings -> final message + published deltas) and properties."""
+"""Accumulator vectors (data fields -> final message + published deltas) and properties.
+
+Everything goes through what the pipeline runs: ``fold_all`` on raw data fields,
+``take_delta`` for the delta to publish, ``Delta.merge`` for merging published deltas
+(the publisher's coalescing; a consumer rebuilding the reply), ``finish``.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +16,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.chunks import ChatCompletionChunk
-from worker.accumulator import Accumulator, Delta, FinalMessage, merge_all
+from tests.support import merged, output_of
+from worker.accumulator import Accumulator, Delta, FinalMessage
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
 
 
-def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **top: Any) -> str:
+def chunk(
+    delta: dict[str, Any] | None = None, finish: str | None = None, index: int = 0, **top: Any
+) -> str:
+    """A chunk as JSON text (``json.dumps``: lone surrogates become ``\\u`` escapes)."""
     body: dict[str, Any] = {
         "id": "gen-1",
         "object": "chat.completion.chunk",
         "created": 1751299200,
         "model": "z-ai/glm-5.2",
-        "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta or {}, "finish_reason": finish}],
     }
     body.update(top)
     return json.dumps(body)
@@ -52,15 +61,27 @@ def call(id: str, name: str, args: str) -> dict[str, Any]:
     return {"id": id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def fold(acc: Accumulator, *datas: str) -> int:
+    """Fold data fields given as text, as one read."""
+    return acc.fold_all([data.encode() for data in datas])
+
+
 def run(datas: list[str]) -> tuple[FinalMessage, list[dict[str, Any]]]:
+    """One read per data field, a delta taken after each (one event per read)."""
     acc = Accumulator()
-    deltas = [d.to_json() for d in map(acc.feed_data, datas) if d is not None]
+    deltas = []
+    for data in datas:
+        fold(acc, data)
+        delta = acc.take_delta()
+        if delta is not None:
+            deltas.append(dict(delta))
     return acc.finish(), deltas
 
 
 A = {"role": "assistant"}
 STOP = chunk(finish="stop")
 DONE = "[DONE]"
+R = "reasoning.text"
 
 VECTORS: list[Any] = [
     pytest.param(
@@ -392,8 +413,21 @@ VECTORS: list[Any] = [
                     {"type": "reasoning.text", "text": "Let", "format": "anthropic-claude-v1"}
                 ],
             },
-            {"reasoning_details": [{"type": "reasoning.text", "text": " me", "format": "other"}]},
-            {"reasoning_details": [{"type": "reasoning.text", "text": "", "signature": "sig"}]},
+            {
+                "reasoning_details": [
+                    {"type": "reasoning.text", "text": " me", "format": "anthropic-claude-v1"}
+                ]
+            },
+            {
+                "reasoning_details": [
+                    {
+                        "type": "reasoning.text",
+                        "text": "",
+                        "format": "anthropic-claude-v1",
+                        "signature": "sig",
+                    }
+                ]
+            },
             {"content": "Hi"},
         ],
         id="reasoning-text-merges",
@@ -541,6 +575,12 @@ VECTORS: list[Any] = [
         id="empty-error-values-and-empty-finish-reason",
     ),
     pytest.param(
+        [chunk({**A, "content": "a"}), chunk({"content": "b"}, error={"message": "cut"}), DONE],
+        {"content": "ab", "end": "error", "error": {"message": "cut"}, "finish_reason": None},
+        [{"role": "assistant", "content": "a"}, {"content": "b"}],
+        id="error-beside-a-plain-delta",
+    ),
+    pytest.param(
         [chunk({"content": "a"}), bare(error="overloaded")],
         {"end": "error", "error": {"message": "overloaded"}, "content": "a"},
         [{"content": "a"}],
@@ -590,9 +630,27 @@ VECTORS: list[Any] = [
                 {"choices": [{"index": 1, "delta": {"content": "x"}, "finish_reason": "stop"}]}
             ),
         ],
-        {"content": "zero", "finish_reason": None},
-        [{"content": "zero"}],
-        id="only-choice-0",
+        {
+            "content": "zero",
+            "finish_reason": None,
+            "end": "truncated",
+            "choices": [
+                {
+                    "index": 1,
+                    "role": "assistant",
+                    "content": "otherx",
+                    "refusal": "",
+                    "reasoning": [],
+                    "tool_calls": [],
+                    "finish_reason": "stop",
+                }
+            ],
+        },
+        [
+            {"content": "zero", "choices": [{"index": 1, "content": "other"}]},
+            {"choices": [{"index": 1, "content": "x"}]},
+        ],
+        id="n-choices-each-accumulates",
     ),
     pytest.param(
         [
@@ -614,77 +672,253 @@ VECTORS: list[Any] = [
 ]
 
 
+# the protocol gaps of issue 10: refusal, signatures, split surrogates, null trailers, n > 1
+VECTORS += [
+    pytest.param(
+        [
+            chunk({**A, "content": "", "refusal": None}),
+            chunk({"refusal": "I can't "}),
+            chunk({"refusal": "help with that."}),
+            chunk({"refusal": None, "content": None}),
+            chunk(finish="stop"),
+            DONE,
+        ],
+        {"refusal": "I can't help with that.", "content": "", "end": "done"},
+        [{"role": "assistant"}, {"refusal": "I can't "}, {"refusal": "help with that."}],
+        id="refusal-accumulates",
+    ),
+    pytest.param(
+        [
+            chunk({"reasoning_details": [{"type": R, "text": "first", "signature": None}]}),
+            chunk({"reasoning_details": [{"type": R, "text": "", "signature": "s1"}]}),
+            chunk({"reasoning_details": [{"type": R, "text": "second"}]}),
+            chunk({"reasoning_details": [{"type": R, "text": " block", "signature": "s2"}]}),
+            chunk({"reasoning_details": [{"type": R, "text": "", "signature": "s2"}]}),
+        ],
+        {
+            "reasoning": [
+                {"type": R, "text": "first", "signature": "s1"},
+                {"type": R, "text": "second block", "signature": "s2"},
+                {"type": R, "text": "", "signature": "s2"},
+            ]
+        },
+        [
+            {"reasoning_details": [{"type": R, "text": "first"}]},
+            {"reasoning_details": [{"type": R, "text": "", "signature": "s1"}]},
+            {"reasoning_details": [{"type": R, "text": "second"}]},
+            {"reasoning_details": [{"type": R, "text": " block", "signature": "s2"}]},
+            {"reasoning_details": [{"type": R, "text": "", "signature": "s2"}]},
+        ],
+        id="a-signature-ends-its-block-and-is-never-dropped",
+    ),
+    pytest.param(
+        [
+            chunk({**A, "content": "a\ud83d"}),
+            chunk({"content": "\ude00b"}),
+            chunk({"reasoning_details": [{"type": R, "text": "\ud83e"}]}),
+            chunk({"reasoning_details": [{"type": R, "text": "\udd14!"}]}),
+            chunk({"tool_calls": [tc(0, "c", "f", '{"q":"\ud83d')]}),
+            chunk({"tool_calls": [tc(0, args='\ude80"}')]}),
+            chunk({"refusal": "x\ud83d"}),
+            chunk({"refusal": "\ude00"}),
+            chunk(finish="stop"),
+            DONE,
+        ],
+        {
+            "content": "a😀b",
+            "reasoning": [{"type": R, "text": "🤔!"}],
+            "tool_calls": [call("c", "f", '{"q":"🚀"}')],
+            "refusal": "x😀",
+            "end": "done",
+        },
+        [
+            {"role": "assistant", "content": "a"},
+            {"content": "😀b"},
+            {"reasoning_details": [{"type": R, "text": ""}]},  # the entry, its text waiting
+            {"reasoning_details": [{"type": R, "text": "🤔!"}]},
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"q":"'},
+                    }
+                ]
+            },
+            {"tool_calls": [{"index": 0, "function": {"arguments": '🚀"}'}}]},
+            {"refusal": "x"},
+            {"refusal": "😀"},
+        ],
+        id="surrogate-pairs-split-across-chunks-join",
+    ),
+    pytest.param(
+        [
+            chunk({"content": "a\ud83d"}),
+            chunk({"content": "b\ude00c\udc00"}),
+            chunk({"content": "\ud83d"}, "stop"),
+        ],
+        {"content": "a\ufffdb\ufffdc\ufffd\ufffd", "end": "complete"},
+        [{"content": "a"}, {"content": "\ufffdb\ufffdc\ufffd"}, {"content": "\ufffd"}],
+        id="lone-surrogates-become-replacement-characters",
+    ),
+    pytest.param(
+        [
+            chunk({"reasoning_details": [{"type": R, "text": "x\ud83d"}]}),
+            chunk({"reasoning_details": [{"type": R, "text": "", "signature": "s"}]}),
+        ],
+        {"reasoning": [{"type": R, "text": "x\ufffd", "signature": "s"}], "end": "truncated"},
+        [
+            {"reasoning_details": [{"type": R, "text": "x"}]},
+            {"reasoning_details": [{"type": R, "text": "\ufffd", "signature": "s"}]},
+        ],
+        id="a-signed-entry-waits-for-no-other-half",
+    ),
+    pytest.param(
+        [chunk({"content": "a"}), chunk({"content": "\ud83d"})],
+        {"content": "a", "end": "truncated"},
+        [{"content": "a"}],
+        id="a-first-half-still-waiting-is-not-output",
+    ),
+    pytest.param(
+        [
+            chunk({**A, "content": ""}, usage=None, obfuscation="x1"),
+            chunk({"content": "a"}, usage=None, error=None, web_search=None, free_tier=None),
+            chunk({"content": "b"}, usage=None, obfuscation="y22"),
+            chunk({}, "stop", usage=None),
+            bare(usage=USAGE, obfuscation="z"),
+            DONE,
+        ],
+        {"content": "ab", "usage": USAGE, "extras": {}, "end": "done"},
+        [{"role": "assistant"}, {"content": "a"}, {"content": "b"}],
+        id="null-trailers-on-every-chunk",
+    ),
+    pytest.param(
+        [
+            chunk({**A, "content": "a"}),
+            chunk({**A, "content": "b"}, index=1),
+            chunk({"tool_calls": [tc(0, "c1", "g", "{}")]}, index=1),
+            chunk({"reasoning_details": [{"type": R, "text": "t"}]}, index=2),
+            chunk({"refusal": "no"}, index=2),
+            chunk({"content": "c"}),
+            json.dumps(
+                {
+                    "choices": [
+                        {"index": 0, "delta": {}, "finish_reason": "stop"},
+                        {"index": 1, "delta": {}, "finish_reason": "tool_calls"},
+                        {"index": 2, "delta": {}, "finish_reason": "stop"},
+                    ]
+                }
+            ),
+        ],
+        {
+            "content": "ac",
+            "finish_reason": "stop",
+            "end": "complete",
+            "choices": [
+                {
+                    "index": 1,
+                    "role": "assistant",
+                    "content": "b",
+                    "refusal": "",
+                    "reasoning": [],
+                    "tool_calls": [call("c1", "g", "{}")],
+                    "finish_reason": "tool_calls",
+                },
+                {
+                    "index": 2,
+                    "role": "assistant",
+                    "content": "",
+                    "refusal": "no",
+                    "reasoning": [{"type": R, "text": "t"}],
+                    "tool_calls": [],
+                    "finish_reason": "stop",
+                },
+            ],
+        },
+        [
+            {"role": "assistant", "content": "a"},
+            {"choices": [{"index": 1, "role": "assistant", "content": "b"}]},
+            {
+                "choices": [
+                    {
+                        "index": 1,
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "g", "arguments": "{}"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            {"choices": [{"index": 2, "reasoning_details": [{"type": R, "text": "t"}]}]},
+            {"choices": [{"index": 2, "refusal": "no"}]},
+            {"content": "c"},
+        ],
+        id="n-choices-with-tools-reasoning-refusal",
+    ),
+]
+
+
 @pytest.mark.parametrize(("datas", "final", "deltas"), VECTORS)
 def test_vectors(datas: list[str], final: dict[str, Any], deltas: list[dict[str, Any]]) -> None:
     message, published = run(datas)
     assert {key: getattr(message, key) for key in final} == final
     assert published == deltas
-    # merging all published deltas gives the final message
-    merged = Delta()
-    for delta in published:
-        merged.merge(Delta.from_json(delta))
-    assert merged.content == message.content
-    assert merged.reasoning_details == message.reasoning
-    assert final_calls(merged) == message.tool_calls
+    assert output_of(merged(published)) == output_of(message)
 
 
 @given(data=st.data())
-@pytest.mark.parametrize("as_bytes", [False, True], ids=["str", "bytes"])
 @pytest.mark.parametrize(("datas", "final", "deltas"), VECTORS)
-def test_fold_and_take_at_any_points_equals_feed_data(
-    datas: list[str],
-    final: dict[str, Any],
-    deltas: list[dict[str, Any]],
-    as_bytes: bool,
-    data: st.DataObject,
+def test_any_reads_and_takes_give_the_same(
+    datas: list[str], final: dict[str, Any], deltas: list[dict[str, Any]], data: st.DataObject
 ) -> None:
-    """fold()/take_delta() (one delta per network read) give the same final message as
-    feed_data(), and the taken deltas merge to it, wherever the takes fall; also for raw
-    bytes, where chunk templates apply."""
-    acc, merged = Accumulator(), Delta()
-    for item in datas:
-        acc.fold(item.encode() if as_bytes else item)
-        if data.draw(st.booleans()):
-            taken = acc.take_delta()
-            if taken is not None:
-                merged.merge(Delta.from_json(taken.to_json()))
+    """However the fields fall into reads and wherever the takes fall, the final message
+    is the same and the taken deltas (through JSON, as published) merge to it."""
+    acc, taken = Accumulator(), []
+    i = 0
+    while i < len(datas):
+        size = data.draw(st.integers(1, 3))
+        fold(acc, *datas[i : i + size])
+        i += size
+        if data.draw(st.booleans()) and (delta := acc.take_delta()) is not None:
+            taken.append(json.loads(json.dumps(delta)))
     last = acc.take_delta()
     if last is not None:
-        merged.merge(last)
+        taken.append(last)
     assert acc.take_delta() is None
     message = acc.finish()
     assert {key: getattr(message, key) for key in final} == final
-    assert merged.content == message.content
-    assert merged.reasoning_details == message.reasoning
-    assert final_calls(merged) == message.tool_calls
-    assert merged.role == (message.role if any("role" in d for d in deltas) else None)
+    reply = merged(taken)
+    assert output_of(reply) == output_of(message)
+    assert reply.role == (message.role if any("role" in d for d in deltas) else None)
 
 
 def test_what_was_folded_before_an_invalid_chunk_can_still_be_taken() -> None:
     acc = Accumulator()
-    acc.fold(chunk({"role": "assistant", "content": "a"}))
-    acc.fold(chunk({"content": "b"}))
     with pytest.raises(ProtocolError):
-        acc.fold("{broken")
-    taken = acc.take_delta()
-    assert taken is not None and taken.to_json() == {"role": "assistant", "content": "ab"}
+        fold(acc, chunk({"role": "assistant", "content": "a"}), chunk({"content": "b"}), "{broken")
+    assert acc.take_delta() == {"role": "assistant", "content": "ab"}
     assert acc.finish().content == "ab"
 
 
-def test_state_properties_and_exception() -> None:
+def test_closed_truncated_and_exception() -> None:
     acc = Accumulator()
-    assert not (acc.done or acc.finished or acc.errored)
+    assert acc.truncated and not acc.closed
     assert isinstance(acc.finish().exception(), TruncatedStreamError)
-    acc.feed_data(chunk({"content": "a"}, "stop"))
-    assert acc.finish_reason == "stop"
+    fold(acc, chunk({"content": "a"}, "stop"))
+    assert not acc.truncated and not acc.closed
     assert acc.finish().exception() is None
-    acc.feed_data(DONE)
-    assert acc.done and acc.finished and not acc.errored
+    fold(acc, DONE)
+    assert acc.closed and acc.finish().end == "done"
     assert acc.finish().exception() is None
 
     acc = Accumulator()
-    acc.feed_data(chunk({}, "error", error={"code": 429, "message": "rate limited"}))
-    assert acc.errored and acc.finished and not acc.done
+    fold(acc, chunk({}, "error", error={"code": 429, "message": "rate limited"}))
+    assert acc.closed and not acc.truncated
     exc = acc.finish().exception()
     assert isinstance(exc, MidStreamError)
     assert (exc.message, exc.status, exc.detail) == (
@@ -692,46 +926,48 @@ def test_state_properties_and_exception() -> None:
         429,
         {"code": 429, "message": "rate limited"},
     )
-    assert acc.feed_data(DONE) is None and not acc.done
+    assert fold(acc, DONE) == 0 and acc.finish().end == "error"
 
 
-def test_delta_api() -> None:
+def test_n_choices_end_when_every_choice_has_finished() -> None:
+    acc = Accumulator()
+    fold(acc, chunk({"content": "a"}, "stop"), chunk({"content": "b"}, index=1))
+    assert acc.truncated and acc.finish().end == "truncated"
+    fold(acc, chunk({}, "length", index=1))
+    assert not acc.truncated and acc.finish().end == "complete"
+    fold(acc, chunk({}, "error", index=1))
+    assert acc.finish().end == "error"
+
+
+def test_delta_merge() -> None:
     delta = Delta()
-    assert delta.is_empty() and delta.to_json() == {}
-    delta.merge(
-        Delta("assistant", "a", [], [{"index": 0, "id": "c", "function": {"arguments": "x"}}])
-    )
+    assert delta.to_json() == {}
+    delta.merge({"role": "assistant", "content": "a", "tool_calls": [
+        {"index": 0, "id": "c", "function": {"arguments": "x"}}]})  # fmt: skip
     other = Delta(
-        "user", "b", [], [{"index": 0, "id": "d", "function": {"name": "n", "arguments": "y"}}]
+        role="user",
+        content="b",
+        tool_calls=[{"index": 0, "id": "d", "function": {"name": "n", "arguments": "y"}}],
+        choices=[{"index": 1, "refusal": "no"}],
     )
     delta.merge(other)
     assert delta.to_json() == {
         "role": "assistant",
         "content": "ab",
-        "tool_calls": [{"index": 0, "id": "c", "function": {"arguments": "xy", "name": "n"}}],
+        "tool_calls": [{"index": 0, "id": "c", "function": {"name": "n", "arguments": "xy"}}],
+        "choices": [{"index": 1, "refusal": "no"}],
     }
-    assert other.tool_calls == [
+    assert other["tool_calls"] == [
         {"index": 0, "id": "d", "function": {"name": "n", "arguments": "y"}}
     ]
-    assert Delta.from_json(delta.to_json()) == delta
-    assert not delta.is_empty()
-    bad_values: list[Any] = [
-        [],
-        {"content": 1},
-        {"tool_calls": [{"id": "x"}]},
-        {"reasoning_details": "x"},
-    ]
-    for bad in bad_values:
-        with pytest.raises(ProtocolError):
-            Delta.from_json(bad)
 
 
 def test_finish_is_repeatable_and_does_not_alias_state() -> None:
     acc = Accumulator()
-    acc.feed_data(chunk({"reasoning_details": [{"type": "reasoning.text", "text": "a"}]}))
+    fold(acc, chunk({"reasoning_details": [{"type": "reasoning.text", "text": "a"}]}))
     first = acc.finish()
     first.reasoning[0]["text"] = "changed"
-    acc.feed_data(chunk({"reasoning_details": [{"type": "reasoning.text", "text": "b"}]}))
+    fold(acc, chunk({"reasoning_details": [{"type": "reasoning.text", "text": "b"}]}))
     assert acc.finish().reasoning == [{"type": "reasoning.text", "text": "ab"}]
 
 
@@ -740,34 +976,50 @@ def test_chunks_validate_against_schema() -> None:
         chunk({**A, "content": "x", "tool_calls": [tc(0, "c", "f", "{}")]}),
         bare(usage=USAGE),
         chunk({}, "error", error={"code": 502, "message": "m"}, unknown_field=1),
+        chunk({"refusal": "no"}, index=2),
     ):
         parsed = ChatCompletionChunk.model_validate_json(data)
         assert parsed.model_dump(exclude_unset=True) == json.loads(data)
 
 
-# --- protocol errors ----------------------------------------------------------------------
+# --- what JSON parsers disagree on ----------------------------------------------------------
 
 
 def test_invalid_json_names_the_bytes() -> None:
     with pytest.raises(ProtocolError, match=r"invalid JSON.*'\{\"choices\": \[oops"):
-        Accumulator().feed_data('{"choices": [oops')
+        fold(Accumulator(), '{"choices": [oops')
     long = "{" + "x" * 5000
     with pytest.raises(ProtocolError) as info:
-        Accumulator().feed_data(long)
+        fold(Accumulator(), long)
     assert "xxxx" in info.value.message and "…" in info.value.message
     assert len(info.value.message) < 300
     with pytest.raises(ProtocolError):
-        Accumulator().feed_data("[DONE] ")  # [DONE] counts only as the whole data field
+        fold(Accumulator(), "[DONE] ")  # [DONE] counts only as the whole data field
 
 
-def test_a_lone_surrogate_or_invalid_utf8_is_handled_like_any_bad_text() -> None:
-    """A str the JSON parser cannot encode is invalid JSON; invalid UTF-8 in raw bytes
-    becomes U+FFFD, as the SSE decoder's events have it."""
-    with pytest.raises(ProtocolError, match="invalid JSON"):
-        Accumulator().feed_data('{"choices": [{"delta": {"content": "a\ud800"}}]}')
+def test_invalid_utf8_folds_as_replacement_characters() -> None:
     acc = Accumulator()
     acc.fold_all([chunk({"content": "ab"}).encode().replace(b"ab", b"a\xffb")])
     assert acc.finish().content == "a\ufffdb"
+
+
+def test_lone_surrogates_outside_the_text_are_made_valid_at_once() -> None:
+    """Only text fragments may wait for the other half of a pair; an id, a name, an
+    unknown key, usage or an extra is valid UTF-8 as soon as it is read."""
+    acc = Accumulator()
+    fold(
+        acc,
+        chunk({"tool_calls": [tc(0, "c\ud800", "f\udc00", "{}")]}, usage={"x\ud800": "y\udbff"}),
+        chunk({"reasoning_details": [{"type": R, "text": "t", "id": "r\ud800"}]}),
+        bare(web_search={"results": ["\ud83d\ude00", "\ud83d"]}, error="bad\udfff"),
+    )
+    final = acc.finish()
+    assert final.tool_calls == [call("c\ufffd", "f\ufffd", "{}")]
+    assert final.usage == {"x\ufffd": "y\ufffd"}
+    assert final.reasoning == [{"type": R, "text": "t", "id": "r\ufffd"}]
+    assert final.extras == {"web_search": {"results": ["😀", "\ufffd"]}}
+    assert final.error == {"message": "bad\ufffd"}
+    json.dumps(final.__dict__, ensure_ascii=False).encode()  # valid UTF-8 throughout
 
 
 def c0(delta: Any = None, **choice: Any) -> str:
@@ -781,9 +1033,13 @@ def c0(delta: Any = None, **choice: Any) -> str:
         ("null", "chunk must be a JSON object"),
         (json.dumps({"choices": {"0": {}}}), "choices must be a list"),
         (json.dumps({"choices": ["x"]}), "choice must be an object"),
+        (json.dumps({"choices": [{"index": -1}]}), "choice index must be a non-negative"),
+        (json.dumps({"choices": [{"index": "1"}]}), "choice index must be a non-negative"),
+        (json.dumps({"choices": [{"index": True}]}), "choice index must be a non-negative"),
         (c0("hi"), "delta must be an object"),
         (c0({"content": 5}), "content must be a string"),
         (c0({"content": ["a"]}), "content must be a string"),
+        (c0({"refusal": {"a": 1}}), "refusal must be a string"),
         (c0({"role": 1}), "role must be a string"),
         (c0({"tool_calls": {"index": 0}}), "tool_calls must be a list"),
         (c0({"tool_calls": [None]}), "tool_calls entry must be an object"),
@@ -796,11 +1052,8 @@ def c0(delta: Any = None, **choice: Any) -> str:
         (c0({"tool_calls": [{"index": 0, "id": 7}]}), "id must be a string"),
         (c0({"tool_calls": [{"index": 0, "function": {"name": ["f"]}}]}), "name must be a string"),
         (c0({"reasoning_details": {"type": "x"}}), "reasoning_details must be a list"),
-        (c0({"reasoning_details": ["x"]}), "reasoning_details entry must be an object"),
-        (
-            c0({"reasoning_details": [{"type": "reasoning.text", "text": 1}]}),
-            "text must be a string",
-        ),
+        (c0({"reasoning_details": ["x"]}), "reasoning_details must be a list of objects"),
+        (c0({"reasoning_details": [{"type": R, "text": 1}]}), "text must be a string"),
         (c0({"reasoning_details": [{"type": 1}]}), "type must be a string"),
         (c0({"reasoning": {"text": "x"}}), "reasoning must be a string"),
         (c0({}, finish_reason=1), "finish_reason must be a string"),
@@ -809,7 +1062,7 @@ def c0(delta: Any = None, **choice: Any) -> str:
 )
 def test_protocol_errors(data: str, words: str) -> None:
     with pytest.raises(ProtocolError, match=words):
-        Accumulator().feed_data(data)
+        fold(Accumulator(), data)
 
 
 # --- properties ---------------------------------------------------------------------------
@@ -824,8 +1077,12 @@ def reasoning_fragment(draw: st.DrawFn) -> dict[str, Any]:
     kind = draw(st.sampled_from(REASONING_TYPES))
     body_key = {"reasoning.text": "text", "reasoning.summary": "summary"}.get(kind, "data")
     frag: dict[str, Any] = {"type": kind, body_key: draw(TEXT)}
-    for key, values in (("index", st.sampled_from([0, 1])), ("signature", TEXT), ("format", TEXT)):
-        if draw(st.booleans()):
+    for key, values in (
+        ("index", st.sampled_from([0, 1])),
+        ("signature", st.sampled_from(["s1", "s2"])),
+        ("format", TEXT),
+    ):
+        if draw(st.integers(0, 3)) == 0:
             frag[key] = draw(st.none() | values)
     return frag
 
@@ -847,52 +1104,71 @@ DELTA = st.fixed_dictionaries(
     optional={
         "role": st.sampled_from(["assistant", "user", None]),
         "content": TEXT | st.none(),
+        "refusal": TEXT | st.none(),
         "reasoning_details": st.lists(reasoning_fragment(), max_size=3),
         "reasoning": TEXT | st.none(),
         "tool_calls": st.lists(TOOL_FRAGMENT, max_size=3),
     },
 )
+CHOICE = st.tuples(st.sampled_from([0, 0, 0, 1, 2]), DELTA)
 
 
-def final_calls(delta: Delta) -> list[dict[str, Any]]:
-    """Merged published tool-call fragments in the final message's shape."""
-    out = []
-    for frag in sorted(delta.tool_calls, key=lambda c: int(c["index"])):
-        fn = frag.get("function", {})
-        out.append(
-            {
-                "id": frag.get("id", ""),
-                "type": frag.get("type") or "function",
-                "function": {"name": fn.get("name", ""), "arguments": fn.get("arguments", "")},
-            }
-        )
-    return out
+def choice_chunk(index: int, delta: dict[str, Any]) -> bytes:
+    return json.dumps({"id": "g", "model": "m", "choices": [{"index": index, "delta": delta}]},
+                      ensure_ascii=False).encode()  # fmt: skip
+
+
+def publish_each(choices: list[tuple[int, dict[str, Any]]]) -> tuple[Accumulator, list[Delta]]:
+    acc, published = Accumulator(), []
+    for index, delta in choices:
+        acc.fold_all([choice_chunk(index, delta)])
+        taken = acc.take_delta()
+        if taken is not None:
+            published.append(taken)
+    return acc, published
 
 
 @settings(max_examples=1000, deadline=None)
-@given(deltas=st.lists(DELTA, max_size=12), data=st.data())
+@given(choices=st.lists(CHOICE, max_size=12), data=st.data())
 def test_coalesced_deltas_merge_to_the_final_message(
-    deltas: list[dict[str, Any]], data: st.DataObject
+    choices: list[tuple[int, dict[str, Any]]], data: st.DataObject
 ) -> None:
-    acc = Accumulator()
-    published = [acc.add_chunk({"choices": [{"index": 0, "delta": d}]}) for d in deltas]
-    events = [d for d in published if d is not None]
-    assert all(not d.is_empty() for d in events)
-    final = acc.finish()
-    # coalesce in arbitrary consecutive groups (through JSON, like the publisher), then merge
-    merged = Delta()
+    """Published deltas coalesced in arbitrary consecutive groups (``Delta.merge``, as the
+    publisher does), then merged in order, give the final message."""
+    acc, published = publish_each(choices)
+    groups = []
     i = 0
-    while i < len(events):
+    while i < len(published):
         size = data.draw(st.integers(1, 4))
-        group = Delta.from_json(json.loads(json.dumps(events[i].to_json())))
-        for later in events[i + 1 : i + size]:
+        group = Delta(json.loads(json.dumps(published[i])))
+        for later in published[i + 1 : i + size]:
             group.merge(later)
-        merged.merge(group)
+        groups.append(group)
         i += size
-    assert merged.content == final.content
-    assert (merged.role or "assistant") == final.role
-    assert merged.reasoning_details == final.reasoning
-    assert final_calls(merged) == final.tool_calls
+    final = acc.finish()
+    assert output_of(merged(groups)) == output_of(final)
+    assert all(published) and all(
+        isinstance(value, list | str) for d in published for value in d.values()
+    )
+
+
+@settings(max_examples=500, deadline=None)
+@given(choices=st.lists(CHOICE, max_size=12), cut=st.data())
+def test_merging_is_associative(
+    choices: list[tuple[int, dict[str, Any]]], cut: st.DataObject
+) -> None:
+    """(a + b) + c == a + (b + c) for consecutive published deltas: any grouping merges
+    to the same delta."""
+    _, published = publish_each(choices)
+    one_by_one = merged(published).data
+    at = cut.draw(st.integers(0, len(published)))
+    left, right = Delta(), Delta()
+    for delta in published[:at]:
+        left.merge(delta)
+    for delta in published[at:]:
+        right.merge(delta)
+    left.merge(right)
+    assert left == one_by_one
 
 
 JSON = st.recursive(
@@ -906,6 +1182,7 @@ JSON = st.recursive(
                     "delta",
                     "index",
                     "content",
+                    "refusal",
                     "role",
                     "tool_calls",
                     "function",
@@ -916,6 +1193,7 @@ JSON = st.recursive(
                     "reasoning_details",
                     "reasoning",
                     "text",
+                    "signature",
                     "usage",
                     "error",
                     "finish_reason",
@@ -938,8 +1216,11 @@ def test_arbitrary_json_raises_only_protocol_error(values: list[Any]) -> None:
     acc = Accumulator()
     for value in values:
         with contextlib.suppress(ProtocolError):
-            acc.feed_data(json.dumps(value))
-    acc.finish()
+            fold(acc, json.dumps(value))
+        delta = acc.take_delta()
+        json.dumps(delta, ensure_ascii=False).encode()  # publishable: valid UTF-8
+    final = acc.finish()
+    json.dumps(final.__dict__, ensure_ascii=False).encode()
 
 
 @settings(max_examples=300, deadline=None)
@@ -948,22 +1229,10 @@ def test_arbitrary_text_raises_only_protocol_error(texts: list[str]) -> None:
     acc = Accumulator()
     for text in texts:
         with contextlib.suppress(ProtocolError):
-            acc.feed_data(text)
+            acc.fold_all([text.encode("utf-8", "surrogatepass")])
     acc.finish()
 
 
 def test_deep_nesting_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError):
-        Accumulator().feed_data("[" * 100_000)
-
-
-@settings(max_examples=500, deadline=None)
-@given(deltas=st.lists(DELTA, max_size=12))
-def test_merge_all_equals_merging_one_by_one(deltas: list[dict[str, Any]]) -> None:
-    acc = Accumulator()
-    published = [acc.add_chunk({"choices": [{"index": 0, "delta": d}]}) for d in deltas]
-    events = [d for d in published if d is not None]
-    one_by_one = Delta()
-    for event in events:
-        one_by_one.merge(Delta.from_json(event.to_json()))
-    assert merge_all([Delta.from_json(e.to_json()) for e in events]) == one_by_one
+        fold(Accumulator(), "[" * 100_000)

@@ -2,8 +2,10 @@
 
 The same SSE bytes go through the SDK (``client.chat.completions.stream()`` over a mock
 transport: its SSE decoder, ``[DONE]`` handling and ``ChatCompletionStreamState``) and
-through ``worker.sse.SSEDecoder`` + ``worker.accumulator.Accumulator``. On valid streams the
-final content, tool calls (id, name, arguments), reasoning text and usage must agree.
+through ``SSEDecoder.feed_data`` + ``Accumulator.fold_all`` / ``take_delta`` (what the
+pipeline runs). On valid streams every choice's content, refusal, tool calls (id, name,
+arguments), reasoning text and finish_reason, and the usage, must agree; so must the
+published deltas merged by ``Delta.merge``.
 
 Where the SDK deviates from the protocol (seeds + OpenAI/OpenRouter behaviour), the
 ``test_sdk_deviation_*`` tests pin the SDK's behaviour in a comment and an assertion, and
@@ -12,6 +14,7 @@ assert ours.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -21,6 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support import merged, output_of
 from worker.accumulator import Accumulator, FinalMessage
 from worker.errors import ProtocolError
 from worker.sse import SSEDecoder
@@ -28,13 +32,16 @@ from worker.sse import SSEDecoder
 USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
 
 
-def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **top: Any) -> str:
+def chunk(
+    delta: dict[str, Any] | None = None, finish: str | None = None, index: int = 0, **top: Any
+) -> str:
+    """A chunk as JSON text (``json.dumps``: lone surrogates become ``\\u`` escapes)."""
     body: dict[str, Any] = {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
         "created": 1751299200,
         "model": "gpt-test",
-        "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta or {}, "finish_reason": finish}],
     }
     body.update(top)
     return json.dumps(body)
@@ -54,6 +61,15 @@ def sse(datas: list[str], *, eol: str = "\n") -> bytes:
 Summary = dict[str, Any]
 
 
+def utf16(text: Any) -> Any:
+    """What a UTF-16 client reads from the SDK's concatenated strings (JavaScript, or
+    ``str`` made valid): a surrogate pair split across chunks is one character, a lone
+    surrogate is U+FFFD. The SDK itself keeps the two halves as two code points."""
+    if not isinstance(text, str):
+        return text  # the SDK keeps an arguments object as it is (a deviation, below)
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 def sdk_summary(body: bytes) -> Summary:
     """Run ``body`` through the official SDK's streaming helper; the comparable fields."""
 
@@ -71,45 +87,71 @@ def sdk_summary(body: bytes) -> Summary:
         ) as stream,
     ):
         completion = stream.get_final_completion()
-    choice = completion.choices[0]
+    first, *others = [sdk_choice(choice) for choice in completion.choices]
+    usage = completion.usage.to_dict() if completion.usage else None
+    return {**first, "choices": others, "usage": usage}
+
+
+def sdk_choice(choice: Any) -> Summary:
     message = choice.message
     extra = message.model_extra or {}
     return {
+        "index": choice.index,
         "role": message.role,
-        "content": message.content or "",
+        "content": utf16(message.content or ""),
+        "refusal": utf16(message.refusal or ""),
         "tool_calls": [
-            (t.id, t.function.name, t.function.arguments) for t in message.tool_calls or []
+            (t.id, t.function.name, utf16(t.function.arguments)) for t in message.tool_calls or []
         ],
-        "reasoning": extra.get("reasoning") or "",
-        "usage": completion.usage.to_dict() if completion.usage else None,
+        "reasoning": utf16(extra.get("reasoning") or ""),
         "finish_reason": choice.finish_reason,
     }
 
 
-def ours(body: bytes) -> FinalMessage:
-    decoder = SSEDecoder()
-    acc = Accumulator()
-    for event in decoder.feed(body) + decoder.flush():
-        acc.feed_data(event.data)
-    return acc.finish()
+def ours(body: bytes, read_size: int = 0) -> FinalMessage:
+    """What the pipeline does: SSEDecoder.feed_data per read, fold_all, take_delta; the
+    taken deltas must merge (Delta.merge) to the final message."""
+    decoder, acc, taken = SSEDecoder(), Accumulator(), []
+    reads = (
+        [body[i : i + read_size] for i in range(0, len(body), read_size)] if read_size else [body]
+    )
+    try:
+        for read in reads:
+            try:
+                acc.fold_all(decoder.feed_data(read))
+            finally:  # as the pipeline: what was folded before an error is published
+                if (delta := acc.take_delta()) is not None:
+                    taken.append(json.loads(json.dumps(delta)))
+    finally:
+        final = acc.finish()
+        assert output_of(merged(taken)) == output_of(final)
+    return final
 
 
 def our_summary(final: FinalMessage) -> Summary:
+    first = our_choice({"index": 0, **vars(final)})
+    others = [our_choice(choice) for choice in final.choices or []]
+    return {**first, "choices": others, "usage": final.usage}
+
+
+def our_choice(choice: dict[str, Any]) -> Summary:
     return {
-        "role": final.role,
-        "content": final.content,
+        "index": choice["index"],
+        "role": choice["role"],
+        "content": choice["content"],
+        "refusal": choice["refusal"],
         "tool_calls": [
-            (t["id"], t["function"]["name"], t["function"]["arguments"]) for t in final.tool_calls
+            (t["id"], t["function"]["name"], t["function"]["arguments"])
+            for t in choice["tool_calls"]
         ],
-        "reasoning": "".join(r.get("text", "") for r in final.reasoning),
-        "usage": final.usage,
-        "finish_reason": final.finish_reason,
+        "reasoning": "".join(r.get("text", "") for r in choice["reasoning"]),
+        "finish_reason": choice["finish_reason"],
     }
 
 
-def assert_same(datas: list[str], *, eol: str = "\n") -> FinalMessage:
+def assert_same(datas: list[str], *, eol: str = "\n", read_size: int = 0) -> FinalMessage:
     body = sse(datas, eol=eol)
-    final = ours(body)
+    final = ours(body, read_size)
     assert our_summary(final) == sdk_summary(body)
     return final
 
@@ -219,29 +261,68 @@ def test_keep_alive_comments_and_crlf() -> None:
 
 
 FRAGMENT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6)
+EMOJI_TEXT = st.text(alphabet=st.sampled_from(["a", "é", "😀", "🚀", "𝄞", " "]), max_size=8)
+
+
+@st.composite
+def split_utf16(draw: st.DrawFn, text: str) -> list[str]:
+    """``text`` cut at any UTF-16 code units, as a gateway that splits by code units
+    does: a cut inside a pair leaves a lone surrogate at each side."""
+    units = text.encode("utf-16-le", "surrogatepass")
+    cuts = sorted(draw(st.sets(st.integers(0, len(units) // 2), max_size=4)))
+    bounds = [0, *cuts, len(units) // 2]
+    return [
+        units[2 * a : 2 * b].decode("utf-16-le", "surrogatepass")
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
+@st.composite
+def choice_chunks(draw: st.DrawFn, index: int, openai_trailers: bool) -> list[dict[str, Any]]:
+    """One choice's chunks, OpenAI-shaped: text (pairs split by code units), a refusal,
+    parallel tool calls, a finish_reason."""
+    out: list[dict[str, Any]] = [{**A, "content": "", "refusal": None}]
+    for text in draw(st.lists(EMOJI_TEXT | FRAGMENT, max_size=3)):
+        out += [{"content": piece} for piece in draw(split_utf16(text))]
+    if draw(st.integers(0, 3)) == 0:
+        out += [{"refusal": piece} for piece in draw(split_utf16(draw(EMOJI_TEXT)))]
+    calls = draw(st.integers(0, 2))
+    for call in range(calls):
+        out.append({"tool_calls": [call_start(call, f"call_{index}_{call}", f"fn{call}")]})
+    for call, text in draw(st.lists(st.tuples(st.integers(0, 1), EMOJI_TEXT), max_size=4)):
+        if call < calls:
+            out += [{"tool_calls": [args(call, piece)]} for piece in draw(split_utf16(text))]
+    out.append({"finish": "tool_calls" if calls else "stop"})
+    return out
 
 
 @st.composite
 def valid_stream(draw: st.DrawFn) -> list[str]:
-    """OpenAI-shaped streams: text, then parallel tool calls, optional usage chunk."""
-    datas = [chunk({**A, "content": ""})]
-    datas += [chunk({"content": text}) for text in draw(st.lists(FRAGMENT, max_size=8))]
-    calls = draw(st.integers(0, 3))
-    for index in range(calls):
-        datas.append(chunk({"tool_calls": [call_start(index, f"call_{index}", f"fn{index}")]}))
-    for index, text in draw(st.lists(st.tuples(st.integers(0, 2), FRAGMENT), max_size=8)):
-        if index < calls:
-            datas.append(chunk({"tool_calls": [args(index, text)]}))
-    datas.append(chunk(finish="tool_calls" if calls else "stop"))
+    """OpenAI-shaped streams with n choices whose chunks interleave, optionally with
+    ``"usage": null`` and ``obfuscation`` on every chunk, and a usage chunk."""
+    trailers = draw(st.booleans())
+    pending = [draw(choice_chunks(index, trailers)) for index in range(draw(st.integers(1, 3)))]
+    datas: list[str] = []
+    order = list(range(len(pending)))  # each choice first appears in index order (the SDK
+    while any(pending):  # needs that: see test_sdk_deviation_choice_1_first_fails)
+        index = (
+            order.pop(0)
+            if order
+            else draw(st.sampled_from([i for i, p in enumerate(pending) if p]))
+        )
+        delta = pending[index].pop(0)
+        top = {"usage": None, "obfuscation": draw(st.text("aZ09", max_size=8))} if trailers else {}
+        finish = delta.pop("finish", None)
+        datas.append(chunk(delta, finish, index, **top))
     if draw(st.booleans()):
         datas.append(usage_chunk())
     return [*datas, "[DONE]"]
 
 
-@settings(max_examples=60, deadline=None)
-@given(datas=valid_stream())
-def test_random_valid_streams_match_official_sdk(datas: list[str]) -> None:
-    assert assert_same(datas).end == "done"
+@settings(max_examples=100, deadline=None)
+@given(datas=valid_stream(), read_size=st.sampled_from([0, 1, 7, 300]))
+def test_random_valid_streams_match_official_sdk(datas: list[str], read_size: int) -> None:
+    assert assert_same(datas, read_size=read_size).end == "done"
 
 
 # --- where the official SDK deviates --------------------------------------------------------
@@ -392,3 +473,27 @@ def test_sdk_deviation_length_finish_raises() -> None:
         sdk_summary(sse(datas))
     final = ours(sse(datas))
     assert (final.end, final.finish_reason, final.content) == ("done", "length", "long")
+
+
+def test_sdk_deviation_choice_1_first_fails() -> None:
+    # SDK: a choice whose first chunk comes before a lower index's is written at a list
+    # position that does not exist yet: IndexError. Ours: choices are keyed by index.
+    datas = [chunk({**A, "content": "b"}, index=1), chunk({**A, "content": "a"}),
+             chunk(finish="stop"), chunk(finish="stop", index=1), "[DONE]"]  # fmt: skip
+    with pytest.raises(IndexError):
+        sdk_summary(sse(datas))
+    final = ours(sse(datas))
+    assert (final.content, final.choices) == ("a", [{"index": 1, "role": "assistant",
+        "content": "b", "refusal": "", "reasoning": [], "tool_calls": [],
+        "finish_reason": "stop"}])  # fmt: skip
+
+
+def test_sdk_deviation_split_surrogate_pair_kept_as_two_halves() -> None:
+    # SDK: a pair split across chunks as escapes ("\ud83d", "\ude00") is concatenated as
+    # two code points, which Python cannot encode as UTF-8. Ours: one character.
+    datas = [chunk({**A, "content": "a\ud83d"}), chunk({"content": "\ude00"}),
+             chunk(finish="stop"), "[DONE]"]  # fmt: skip
+    assert sdk_summary(sse(datas))["content"] == "a😀"  # after utf16()
+    assert ours(sse(datas)).content == "a😀"
+    with pytest.raises(UnicodeEncodeError):
+        ("a\ud83d" + "\ude00").encode()

@@ -346,6 +346,48 @@ async def test_the_documented_merge_handles_coalesced_deltas(doc_env: DocEnv) ->
     )
 
 
+def scripted(delta: dict[str, Any], finish: str | None = None, index: int = 0, **top: Any) -> str:
+    choice = {"index": index, "delta": delta, "finish_reason": finish}
+    return json.dumps({"id": "c", "model": "m", "choices": [choice], "usage": None, **top})
+
+
+async def test_the_documented_merge_rebuilds_every_field(doc_env: DocEnv) -> None:
+    """n > 1, refusals, signed reasoning blocks, split surrogate pairs and extras: the docs'
+    merge rebuilds the record, and every entry validates as its documented model."""
+    text, signed = "reasoning.text", {"type": "reasoning.text", "text": "", "signature": "s1"}
+    script = [
+        scripted({"role": "assistant", "content": "a \ud83d"}),
+        scripted({"role": "assistant", "refusal": "no"}, index=1),
+        scripted({"content": "\ude00"}, web_search={"hits": 1}),
+        scripted({"reasoning_details": [{"type": text, "text": "one"}]}, index=1),
+        scripted({"reasoning_details": [signed]}, index=1),
+        scripted({"reasoning_details": [{"type": text, "text": "two"}]}, index=1),
+        scripted({"tool_calls": [{"index": 0, "id": "t", "type": "function",
+                                  "function": {"name": "f", "arguments": "{}"}}]}, index=1),
+        scripted({}, "stop"),
+        scripted({}, "tool_calls", index=1),
+        "[DONE]",
+    ]  # fmt: skip
+    job_id = await doc_env.client.enqueue(chat("every field", script=script))
+    record = await doc_env.client.result(job_id, timeout=30)
+    assert record.status == "succeeded" and record.content == "a 😀"
+    reply = await replay(doc_env, job_id)
+    assert (reply.content, reply.refusal, reply.reasoning) == ("a 😀", "", [])
+    [other] = record.choices
+    second = reply.choices[1]
+    assert (second.refusal, second.reasoning, second.tool_calls) == (
+        other["refusal"],
+        other["reasoning"],
+        other["tool_calls"],
+    )
+    assert other["reasoning"] == [{**signed, "text": "one"}, {"type": text, "text": "two"}]
+    events = await entries(doc_env, job_id)
+    for event in events:
+        event.parsed_data()
+    assert events[-1].data["web_search"] == {"hits": 1} == record.web_search
+    assert events[-1].data["choices"] == [{"index": 1, "finish_reason": "tool_calls"}]
+
+
 async def test_resuming_from_an_entry_id_continues_the_merge(doc_env: DocEnv) -> None:
     job_id = await doc_env.client.enqueue(chat("resume", tokens=20, rate=500))
     record = await doc_env.client.result(job_id, timeout=30)

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from httpx_sse import ServerSentEvent
 from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
@@ -33,7 +34,6 @@ from tests.support import eventually
 from worker.mock_upstream import MockUpstream, expected_reply, expected_usage
 from worker.runner import Worker
 from worker.settings import Settings
-from worker.sse import ServerSentEvent
 
 COMPLETIONS = "/v1/chat/completions"
 ASYNC = {"prefer": "respond-async"}

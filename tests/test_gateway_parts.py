@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 
 from schemas.events import StreamEvent
 from schemas.jobs import JobRecord
+from tests.gateway_env import parse_frames
 from tests.support import eventually, final_tool_calls, merge_deltas
 from tests.test_differential_openai import sdk_summary
 from worker.errors import ConfigError
@@ -27,7 +28,6 @@ from worker.gateway.hub import EventHub, JobFeed, ReadCommand, Row
 from worker.gateway.limits import LimitExceeded, StreamSlots
 from worker.gateway.responses import EventStream
 from worker.keys import Keys
-from worker.sse import SSEDecoder
 from worker.tasks import cancel_and_wait
 
 CTX = fmt.ChunkContext("job-1", 1751299200, "some/model", include_usage=True)
@@ -154,7 +154,7 @@ def test_a_record_becomes_a_chat_completion() -> None:
 
 def test_native_frames_are_the_decoded_entries() -> None:
     rows = [row("1-0", "delta", {"content": 'é\n"x"'}), row("2-0", "done", {"usage": None})]
-    events = SSEDecoder().feed(fmt.native_frames(rows))
+    events = parse_frames(fmt.native_frames(rows))
     expected = [StreamEvent.from_entry(i, f).model_dump(mode="json") for i, f in rows]
     assert [json.loads(e.data) for e in events] == expected
     assert [e.id for e in events] == ["1-0", "2-0"]

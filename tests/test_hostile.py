@@ -10,11 +10,11 @@ and arbitrary bytes from an upstream through the whole pipeline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 import httpx
@@ -25,12 +25,8 @@ from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
 from tests.conftest import Harness, RedisServer, chat
-from tests.support import (
-    InstantGateWaits,
-    custom_harness,
-    inject,
-)
-from worker.accumulator import Accumulator, Delta
+from tests.support import InstantGateWaits, custom_harness, inject, merged, output_of
+from worker.accumulator import Accumulator
 from worker.client import Client, redis_from_settings
 from worker.errors import InvalidJobError, ProtocolError
 from worker.pipeline import load_request
@@ -312,18 +308,19 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 def feed_all(data: bytes, cuts: list[int], max_event_bytes: int) -> Accumulator:
-    """The pipeline's pure chain: decoder -> accumulator -> merged deltas."""
-    decoder, acc, merged = SSEDecoder(max_event_bytes), Accumulator(), Delta()
+    """The pipeline's pure chain: decoder -> accumulator -> a delta per read, published
+    (valid UTF-8 JSON) and merged; they must merge to the final message."""
+    decoder, acc, published = SSEDecoder(max_event_bytes), Accumulator(), []
     try:
         for piece in split(data, cuts):
-            for event in decoder.feed(piece):
-                delta = acc.feed_data(event.data)
-                if delta is not None:
-                    merged.merge(Delta.from_json(json.loads(dumps(delta.to_json()))))
-        decoder.flush()
+            try:
+                acc.fold_all(decoder.feed_data(piece))
+            finally:
+                if (delta := acc.take_delta()) is not None:
+                    published.append(json.loads(dumps(delta).encode()))
     except ProtocolError:
         pass
-    acc.finish()
+    assert output_of(merged(published)) == output_of(acc.finish())
     return acc
 
 
@@ -343,22 +340,16 @@ def test_fuzz_arbitrary_bytes_through_decoder_and_accumulator(data: bytes, cuts:
 @FUZZ
 @given(chunks=st.lists(st.one_of(json_values, chunk_like), max_size=8))
 def test_fuzz_arbitrary_json_into_the_accumulator(chunks: list[Any]) -> None:
-    by_data, by_chunk = Accumulator(), Accumulator()
+    acc = Accumulator()
     for chunk in chunks:
-        for feed in (
-            partial(by_data.feed_data, json.dumps(chunk)),
-            partial(by_chunk.add_chunk, chunk),
-        ):
-            try:
-                delta = feed()
-            except ProtocolError:
-                continue
-            if delta is not None:
-                dumps(delta.to_json())
-    final = by_data.finish()
-    dumps([final.content, final.reasoning, final.tool_calls, final.usage, final.error])
+        with contextlib.suppress(ProtocolError):
+            acc.fold_all([json.dumps(chunk).encode()])
+        delta = acc.take_delta()
+        if delta is not None:
+            dumps(delta).encode()
+    final = acc.finish()
+    dumps([final.content, final.reasoning, final.tool_calls, final.usage, final.error]).encode()
     final.exception()
-    by_chunk.finish()
 
 
 @FUZZ

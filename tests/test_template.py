@@ -1,41 +1,55 @@
 """Chunk templates: a matched chunk folds exactly as the parsed chunk would.
 
-The reference is the same Accumulator fed ``str`` data, which never uses templates; the
-subject gets the raw bytes through ``fold_all``, as the pipeline does.
+The subject is the Accumulator fed raw bytes through ``fold_all``, as the pipeline does;
+the reference is the same Accumulator with learning switched off (every chunk parsed).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.accumulator import Accumulator, Delta, FinalMessage
+from tests.support import merged
+from worker.accumulator import Accumulator, FinalMessage
 from worker.errors import ChatstreamError
 from worker.template import ChunkTemplate, learn
 
 DELTA = ("choices", 0, "delta")
 CONTENT = (*DELTA, "content")
-IGNORED = ((*DELTA, "reasoning"), ("obfuscation",))
+IGNORED = ((*DELTA, "reasoning"),)
+RANDOM = (("obfuscation",),)
 
 
-def envelope(delta: dict[str, Any], **top: Any) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+class Parsing(Accumulator):
+    """The reference: the same accumulator, its templates never learned."""
+
+    def _learn(self, *_: Any) -> None:
+        pass
+
+
+def envelope(
+    delta: dict[str, Any], index: int = 0, *, finish_reason: str | None = None, **top: Any
+) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     return {"id": "gen-1", "object": "chat.completion.chunk", "created": 1751299200,
             "model": "m", "choices": [choice], **top}  # fmt: skip
 
 
 def raw(body: dict[str, Any], *, spaced: bool = False, ascii_only: bool = False) -> bytes:
+    """``body`` as JSON in UTF-8; a lone surrogate (half of a split pair) as an escape."""
     separators = (", ", ": ") if spaced else (",", ":")
-    return json.dumps(body, separators=separators, ensure_ascii=ascii_only).encode()
+    text = json.dumps(body, separators=separators, ensure_ascii=ascii_only)
+    return re.sub("[\ud800-\udfff]", lambda m: f"\\u{ord(m[0]):04x}", text).encode()
 
 
-def template_of(body: dict[str, Any], *, ignore: tuple[Any, ...] = IGNORED) -> ChunkTemplate:
+def template_of(body: dict[str, Any]) -> ChunkTemplate[None]:
     data = raw(body)
-    template = learn(data, json.loads(data), CONTENT, ignore, "text", None)
+    template = learn(data, json.loads(data), CONTENT, IGNORED, RANDOM, None)
     assert template is not None
     return template
 
@@ -98,8 +112,15 @@ def test_invalid_utf8_is_left_to_the_parser() -> None:
 def test_ignored_fields_may_change() -> None:
     template = template_of(envelope({"content": "Hello"}, obfuscation="k3J"))
     assert template.match(raw(envelope({"content": "x"}, obfuscation="Zq9a0"))) == "x"
-    assert template.match(raw(envelope({"content": "x"}, obfuscation='q"'))) is None
-    assert template.match(raw(envelope({"content": 'x"'}, obfuscation="q"))) is None  # parsed
+    assert template.match(raw(envelope({"content": "x"}, obfuscation="q\\/"))) == "x"
+    assert template.match(raw(envelope({"content": "x"}, obfuscation='q"'))) is None  # parsed
+    assert template.match(raw(envelope({"content": 'x"\\"'}, obfuscation="q"))) == 'x"\\"'
+    assert template.match(raw(envelope({"content": "x"}, obfuscation="q\n"))) == "x"
+    for hole in (b'q"', b"q\\", b"q\\x", b"q\n"):  # not one valid JSON string
+        data = raw(envelope({"content": "x"}, obfuscation="q")).replace(b'"q"', b'"' + hole + b'"')
+        assert template.match(data) is None, hole
+    data = raw(envelope({"content": "x"}, obfuscation="q")).replace(b'"q"', b'""')
+    assert template.match(data) == "x"  # an empty ignored string is a string
 
 
 def test_linked_holes_must_stay_equal_unlinked_may_differ() -> None:
@@ -109,21 +130,28 @@ def test_linked_holes_must_stay_equal_unlinked_may_differ() -> None:
         detail = {"type": "reasoning.text", "text": text, "index": 0}
         return envelope({"reasoning": reasoning, "reasoning_details": [detail]})
 
-    linked = learn(raw(body("a", "a")), body("a", "a"), path, IGNORED, "reasoning", None)
-    unlinked = learn(raw(body("a", "b")), body("a", "b"), path, IGNORED, "reasoning", None)
+    linked = learn(raw(body("a", "a")), body("a", "a"), path, IGNORED, RANDOM, None)
+    unlinked = learn(raw(body("a", "b")), body("a", "b"), path, IGNORED, RANDOM, None)
     assert linked is not None and unlinked is not None
     assert linked.match(raw(body("xy", "xy"))) == "xy"
     assert linked.match(raw(body("x", "yz"))) is None
     assert unlinked.match(raw(body("x", "yz"))) == "yz"
-    assert unlinked.match(raw(body("x", 'y"z'))) is None  # unlinked holes must be clean
+    assert unlinked.match(raw(body('x"', 'y"z\\'))) == 'y"z\\'  # escapes end no hole
+    assert unlinked.match(raw(body("x", "y\n"))) == "y\n"
     assert linked.match(raw(body('x"y', 'x"y'))) == 'x"y'
+
+
+def test_a_random_field_is_never_linked() -> None:
+    """OpenAI's obfuscation may equal the token once; the template must not require it."""
+    template = template_of(envelope({"content": "ab"}, obfuscation="ab"))
+    assert template.match(raw(envelope({"content": "x"}, obfuscation="yz"))) == "x"
 
 
 def test_a_linked_hole_cannot_swallow_structure() -> None:
     """Equal slices at computed positions are still refused when they hold a quote."""
     path = (*DELTA, "reasoning_details", 0, "text")
     body = envelope({"reasoning": "a", "reasoning_details": [{"type": "t", "text": "a"}]})
-    template = learn(raw(body), body, path, IGNORED, "reasoning", None)
+    template = learn(raw(body), body, path, IGNORED, RANDOM, None)
     assert template is not None
     sneaky = raw(body).replace(b'"a"', b'"a","zz":"b"')
     assert json.loads(sneaky)["choices"][0]["delta"]["reasoning"] == "a"
@@ -147,14 +175,13 @@ def test_a_linked_hole_cannot_swallow_structure() -> None:
 )
 def test_learn_refuses_what_it_cannot_prove(data: bytes, why: str) -> None:
     parsed = json.loads(data)
-    assert learn(data, parsed, CONTENT, IGNORED, "text", None) is None, why
+    assert learn(data, parsed, CONTENT, IGNORED, RANDOM, None) is None, why
 
 
 def test_learn_refuses_a_chunk_that_does_not_parse_to_the_claimed_value() -> None:
     data = raw(envelope({"content": "x"}))
-    assert (
-        learn(data, json.loads(raw(envelope({"content": "y"}))), CONTENT, (), "text", None) is None
-    )
+    claimed = json.loads(raw(envelope({"content": "y"})))
+    assert learn(data, claimed, CONTENT, (), (), None) is None
 
 
 # --- the accumulator with templates -----------------------------------------------------
@@ -181,6 +208,24 @@ def test_a_reasoning_template_does_not_outlive_its_entry() -> None:
     acc.fold_all([thought("reasoning.summary", 'x"y')])  # parsed: no template of its own
     acc.fold_all([thought("reasoning.text", v) for v in ("d", "e")])
     assert [entry["text"] for entry in acc.finish().reasoning] == ["abc", 'x"y', "de"]
+
+
+def test_a_reasoning_template_stops_at_a_signature() -> None:
+    """A signature ends its block: chunks of the template's shape after it start a new
+    entry (the template is dropped and the chunk parsed), as parsing alone would."""
+
+    def thought(value: str, signature: str | None = None) -> bytes:
+        detail = {"type": "reasoning.text", "text": value, "signature": signature}
+        return raw(envelope({"content": "", "reasoning_details": [detail]}))
+
+    for acc in (Accumulator(), Parsing()):
+        acc.fold_all([thought(v) for v in ("a", "b", "c")])
+        acc.fold_all([thought(" end", "sig-1")])
+        acc.fold_all([thought(v) for v in ("d", "e")])
+        assert [(e["text"], e.get("signature")) for e in acc.finish().reasoning] == [
+            ("abc end", "sig-1"),
+            ("de", None),
+        ]
 
 
 def test_a_stream_whose_chunks_never_repeat_rations_learning() -> None:
@@ -212,42 +257,49 @@ VALUES = st.one_of(
         max_size=3,
     ),
     st.sampled_from(["content", "index", "m", "gen-1", "function", "reasoning.text", "~0~"]),
+    st.sampled_from(["\ud83d", "\ude00", "a\ud83d", "\ude00b", "\udfff"]),  # split pairs, lone
 )
+TRAILERS = st.sampled_from([{}, {"usage": None}, {"usage": None, "error": None},
+                            {"web_search": None, "free_tier": None}])  # fmt: skip
 
 
 @st.composite
 def runs(draw: st.DrawFn) -> list[bytes]:
     """A run of chunks of one shape (as providers send them), values varying; or one
     chunk of anything else."""
-    kind = draw(st.sampled_from(["text", "args", "reasoning", "other"]))
+    kind = draw(st.sampled_from(["text", "args", "reasoning", "refusal", "other"]))
     ascii_only = draw(st.integers(0, 4)) == 0
     obfuscate = draw(st.integers(0, 3)) == 0
-    index = draw(st.sampled_from([0, 1]))
+    trailers = draw(TRAILERS)
+    role = {"role": "assistant"} if draw(st.booleans()) else {}  # OpenRouter: every chunk
+    index, choice = draw(st.sampled_from([0, 1])), draw(st.sampled_from([0, 0, 0, 1]))
     kind_of_reasoning = draw(st.sampled_from(["reasoning.text", "reasoning.summary"]))
     duplicated = draw(st.sampled_from(["same", "other", "absent"]))
+    signed = draw(st.sampled_from([None, None, "s1", "s2"]))
     out: list[bytes] = []
     for value in draw(st.lists(VALUES, min_size=1, max_size=12)):
         top = {"obfuscation": draw(VALUES)} if obfuscate else {}
         if kind == "text":
-            body = envelope({"content": value}, **top)
+            delta: dict[str, Any] = {**role, "content": value}
+        elif kind == "refusal":
+            delta = {"refusal": value}
         elif kind == "args":
             frag: dict[str, Any] = {"index": index, "function": {"arguments": value}}
             if not out:  # the run opens the call
                 frag.update(id=f"call_{index}", type="function")
                 frag["function"]["name"] = "f"
-            body = envelope({"tool_calls": [frag]}, **top)
+            delta = {"tool_calls": [frag]}
         elif kind == "reasoning":
-            detail = {"type": kind_of_reasoning, "text": value, "format": "unknown",
-                      "index": index}  # fmt: skip
-            delta: dict[str, Any] = {"content": "", "reasoning_details": [detail]}
+            key = "text" if kind_of_reasoning == "reasoning.text" else "summary"
+            detail = {"type": kind_of_reasoning, key: value, "format": "unknown",
+                      "index": index, "signature": signed if len(out) == 11 else None}  # fmt: skip
+            delta = {**role, "content": "", "reasoning_details": [detail]}
             if duplicated != "absent":
                 delta["reasoning"] = value if duplicated == "same" else draw(VALUES)
-            body = envelope(delta, **top)
         else:
-            return [
-                draw(st.sampled_from(OTHER)).replace(b"VALUE", json.dumps(value)[1:-1].encode())
-            ]
-        out.append(raw(body, ascii_only=ascii_only))
+            other = draw(st.sampled_from(OTHER))
+            return [other.replace(b"VALUE", json.dumps(value)[1:-1].encode())]
+        out.append(raw(envelope(delta, choice, **top, **trailers), ascii_only=ascii_only))
     return out
 
 
@@ -261,29 +313,28 @@ OTHER = [
     raw(envelope({"content": "VALUE"})).replace(b'"content"', b'"content":"dup","content"', 1),
     raw(envelope({"content": "VALUE"}, usage={"total_tokens": 3})),
     raw(envelope({"content": "VALUE"}, created=1)),
+    raw(envelope({}, finish_reason="stop")),
+    raw(envelope({"content": "VALUE"}, error={"message": "boom"})),
 ]
 
 
-def fold_each(acc: Accumulator, fields: list[Any], takes: list[bool]) -> tuple[Any, ...]:
+def fold_each(acc: Accumulator, fields: list[bytes], takes: list[bool]) -> tuple[Any, ...]:
     """Fold every field, taking deltas where ``takes`` says; the outcome to compare."""
-    merged, error = Delta(), None
+    published, error = [], None
     for field, take in zip(fields, takes, strict=True):
         try:
-            if isinstance(field, bytes):
-                acc.fold_all([field])
-            else:
-                acc.fold(field)
+            acc.fold_all([field])
         except ChatstreamError as exc:
             error = (type(exc), str(exc))
             break
         finally:
             if take and (delta := acc.take_delta()) is not None:
-                merged.merge(Delta.from_json(json.loads(json.dumps(delta.to_json()))))
+                published.append(json.loads(json.dumps(delta)))
     last = acc.take_delta()
     if last is not None:
-        merged.merge(last)
+        published.append(last)
     message: FinalMessage = acc.finish()
-    return message, error, merged.content, merged.reasoning_details, merged.tool_calls
+    return message, error, merged(published).data
 
 
 @settings(max_examples=400, deadline=None)
@@ -293,6 +344,5 @@ def test_templates_fold_exactly_as_parsing(groups: list[list[bytes]], data: st.D
     takes = data.draw(st.lists(st.booleans(), min_size=len(fields), max_size=len(fields)))
     head = raw(envelope({"role": "assistant", "content": ""}))
     subject = fold_each(Accumulator(), [head, *fields], [False, *takes])
-    as_text = [field.decode("utf-8", "replace") for field in [head, *fields]]
-    reference = fold_each(Accumulator(), as_text, [False, *takes])
+    reference = fold_each(Parsing(), [head, *fields], [False, *takes])
     assert subject == reference

@@ -35,6 +35,10 @@ server defaults. ``max_tokens`` below ``tokens`` cuts the reply with ``finish_re
     no_first_byte       a pause of ``stall_seconds`` before the response headers
     keepalive           ``: keep-alive`` comments (every ``keepalive_every`` chunks, or 1)
 
+``script: [data, ...]`` replaces the whole stream by those ``data:`` fields, sent as they
+are (paced and batched like tokens; ``[DONE]`` only if the script has it): any chunk a
+provider sends (``n > 1``, refusals, split surrogate pairs, extras) in a real stream.
+
 ``fail_times: N`` applies the fault only to the first N requests carrying the same
 ``key``; later ones succeed. ``rate`` paces tokens per second against the stream's start
 (0 = as fast as possible, several events per write); ``tick`` (seconds) makes a paced
@@ -121,6 +125,7 @@ class MockConfig:
     timestamps: bool = False
     finish_reason: str = "stop"
     words: str = ""  # the reply's words, cycled; empty: "tok0 tok1 ..."
+    script: tuple[str, ...] = ()  # the stream's data fields verbatim, instead of the above
     # server-only settings
     model: str = "mock-model"
     api_key: str | None = None
@@ -129,7 +134,7 @@ class MockConfig:
     batch_bytes: int = 4096
 
 
-_INT, _FLOAT, _BOOL, _STR, _OPT_STR = "int", "float", "bool", "str", "str|None"
+_INT, _FLOAT, _BOOL, _STR, _OPT_STR, _STRS = "int", "float", "bool", "str", "str|None", "list[str]"
 REQUEST_OPTIONS: dict[str, str] = {
     "tokens": _INT,
     "rate": _FLOAT,
@@ -149,6 +154,7 @@ REQUEST_OPTIONS: dict[str, str] = {
     "timestamps": _BOOL,
     "finish_reason": _STR,
     "words": _STR,
+    "script": _STRS,
 }
 _ALIASES = {"stall_after": "fault_after"}
 
@@ -169,10 +175,11 @@ def _coerce(name: str, value: Any, kind: str) -> Any:
         _BOOL: isinstance(value, bool),
         _STR: isinstance(value, str),
         _OPT_STR: value is None or isinstance(value, str),
+        _STRS: isinstance(value, list) and all(isinstance(item, str) for item in value),
     }[kind]
     if not ok:
         raise MockRequestError(f"mock.{name} must be a non-negative {kind}, got {value!r}")
-    return float(value) if kind == _FLOAT else value
+    return float(value) if kind == _FLOAT else tuple(value) if kind == _STRS else value
 
 
 def check_fault(fault: str | None) -> None:
@@ -431,6 +438,9 @@ def _tool_items(ctx: _StreamContext) -> Iterator[_Item]:
 
 
 def _body_items(ctx: _StreamContext) -> Iterator[_Item]:
+    if ctx.options.script:
+        yield from (_Chunk(f"data: {data}\n\n".encode(), 1) for data in ctx.options.script)
+        return
     yield from _reasoning_items(ctx)
     if not (yield from _content_items(ctx)):
         return

@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from schemas.events import EventType
-from schemas.jobs import JobStatus
+from schemas.jobs import EXTRAS, JSON_FIELDS, OUTPUT_FIELDS, JobStatus
 from schemas.requests import ChatRequest
 from worker import logs
 from worker.accumulator import Accumulator, FinalMessage
@@ -169,12 +169,11 @@ async def stream_once(
                 decoder.feed_data(data) if len(data) <= limit else _sliced(decoder, data, limit)
             )
             _fold_and_publish(fields, acc, publisher, job)
-            if acc.done or acc.errored:
+            if acc.closed:
                 break
             if job.stream.stale:
                 raise StaleAttemptError("a newer attempt owns the job, or its record is gone")
-    decoder.flush()  # end of stream: an unfinished event is never dispatched (nothing to fold)
-    if not (acc.done or acc.errored or acc.finish_reason):
+    if acc.truncated:  # (an unfinished event at the end is never dispatched: nothing to fold)
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
 
 
@@ -323,26 +322,37 @@ def build_terminal(
     else:
         status, event = JobStatus.SUCCEEDED, EventType.DONE
         data = {"finish_reason": finish_reason, "usage": usage}
+    if final is not None:
+        data.update(terminal_extras(final))
     fields["status"] = status.value
     fields["finished_at"] = f"{time.time():.6f}"
     return Terminal(event.value, data, fields)
 
 
 def message_fields(final: FinalMessage | None) -> dict[str, str]:
+    """The record's output fields (``OUTPUT_FIELDS``; empty when there is none)."""
     if final is None:
         return {}
-    fields = {
-        "content": final.content,
-        "reasoning": dumps(final.reasoning),
-        "tool_calls": dumps(final.tool_calls),
-        "finish_reason": final.finish_reason or "",
-        "usage": dumps(final.usage) if final.usage is not None else "",
-        "completion_id": final.completion_id or "",
-        "model": final.model or "",
-    }
-    for name, value in final.extras.items():
-        fields[name] = dumps(value)
+    fields = {}
+    for name in OUTPUT_FIELDS:
+        value = final.extras.get(name) if name in EXTRAS else getattr(final, name)
+        if value is None:
+            fields[name] = ""
+        else:
+            fields[name] = dumps(value) if name in JSON_FIELDS else value
     return fields
+
+
+def terminal_extras(final: FinalMessage) -> dict[str, Any]:
+    """What the terminal entry adds to its type's data: the provider extras that arrived,
+    and with n > 1 every other choice's finish_reason."""
+    extras: dict[str, Any] = dict(final.extras)
+    if final.choices:
+        extras["choices"] = [
+            {"index": choice["index"], "finish_reason": choice["finish_reason"]}
+            for choice in final.choices
+        ]
+    return extras
 
 
 def _stream_error(final: FinalMessage | None) -> ChatstreamError:

@@ -18,6 +18,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from schemas.jobs import OUTPUT_FIELDS
 from worker.batch import Command
 from worker.keys import Keys
 
@@ -165,18 +166,18 @@ redis.call('HINCRBY', KEYS[1], 'releases', 1)
 return 1
 """
 
-# KEYS: record, events. ARGV: now, retention. A failed (dead-lettered) job back to queued
-# with a fresh attempt budget; the attempt counter stays monotonic, so every write of an
-# earlier attempt stays fenced. The old events stream (ended by its error entry) is void.
+# KEYS: record, events. ARGV: now, retention, the output fields (OUTPUT_FIELDS). A failed
+# (dead-lettered) job back to queued with a fresh attempt budget; the attempt counter stays
+# monotonic, so every write of an earlier attempt stays fenced. The old events stream (ended
+# by its error entry) is void.
 REQUEUE = """
 local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'queue_entry')
 if not cur[1] then return 'missing' end
 if cur[1] == 'queued' then return cur[4] and 'queued' or 'unqueued' end
 if cur[1] ~= 'failed' then return cur[1] end
 local base = tonumber(cur[2] or '0') - tonumber(cur[3] or '0')
-redis.call('HDEL', KEYS[1], 'error', 'finished_at', 'content', 'reasoning', 'tool_calls',
-  'finish_reason', 'usage', 'completion_id', 'model', 'web_search', 'free_tier', 'worker',
-  'entry', 'queue_entry', 'dead_pending', 'dead_letter', 'cancel_requested')
+redis.call('HDEL', KEYS[1], 'error', 'finished_at', 'worker', 'entry', 'queue_entry',
+  'dead_pending', 'dead_letter', 'cancel_requested', unpack(ARGV, 3))
 redis.call('HSET', KEYS[1], 'status', 'queued', 'budget_base', base, 'requeued_at', ARGV[1])
 redis.call('DEL', KEYS[2])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
@@ -316,7 +317,7 @@ class Records:
         Returns ``requeued`` or ``unqueued`` (the caller adds a queue entry), ``queued``
         (it already is), ``missing``, or the job's other status (refused).
         """
-        args: list[str | int] = [f"{time.time():.6f}", self.retention]
+        args: list[str | int] = [f"{time.time():.6f}", self.retention, *OUTPUT_FIELDS]
         return as_text(await self._requeue(keys=self.job_keys(job_id), args=args))
 
     async def dead_lettered(self, job_id: str, dead_entry: str) -> None:

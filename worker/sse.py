@@ -1,7 +1,10 @@
-"""Incremental Server-Sent Events decoder: bytes in, events out (pure, no I/O).
+"""Incremental Server-Sent Events decoder: bytes in, each event's data out (pure, no I/O).
 
-Implements the WHATWG "event stream interpretation" exactly:
+Implements the WHATWG "event stream interpretation" for what the worker reads, the data
+of each dispatched event:
 https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation
+Other fields (``event``, ``id``, ``retry``) and comments change no event's data; they are
+read and ignored.
 
 Design
 ------
@@ -16,42 +19,29 @@ Design
   appended to a list of pieces (``_parts``), so a huge event arriving in small reads
   costs linear time: nothing is re-scanned and the pieces are joined once, when the
   event ends.
-* Decode late, once. Line ends are ASCII, so the complete part never cuts a UTF-8
-  character; it is decoded in one call with ``errors="replace"`` (invalid UTF-8 becomes
-  U+FFFD exactly as if each line were decoded alone). A character split across reads
-  just waits in ``_rest``.
-* Hot path. Most events are one ``data: <json>`` line. ``feed()`` splits the complete
-  text on ``"\n\ndata: "``; a piece without ``"\n"`` is such an event, and its frozen
-  event object is built through the slot descriptors (about twice as fast as the
-  generated frozen ``__init__``). ``feed_data()``, what the worker uses, builds no
-  objects and decodes nothing: it drops comment-only blocks (keep-alives) from the
-  complete bytes and splits them on ``b"\n\ndata: "``; when every LF of the block is in
-  a separator, the pieces are the events' data. Anything else (other fields, several
-  data lines, extra blank lines) goes through ``_interpret``, the line-by-line reading of
-  the spec.
+* Bulk, as bytes. Most events are one ``data: <json>`` line. :meth:`SSEDecoder.feed_data`
+  drops comment-only blocks (keep-alives) from the complete bytes and splits them on
+  ``b"\\n\\ndata: "``; when every LF of the block is in a separator, the pieces are the
+  events' data, undecoded. Anything else (other fields, several data lines, extra blank
+  lines) goes through ``_interpret``, the line-by-line reading of the spec, decoded once
+  with ``errors="replace"`` (invalid UTF-8 becomes U+FFFD exactly as if each line were
+  decoded alone; line ends are ASCII, so a cut never splits a character).
 * Size limit. An event's size is the size of its lines after line-end normalisation,
   one byte per line end, without its closing blank line (so ``data: x`` is 7 bytes).
   An event, or the unfinished tail of one, larger than ``max_event_bytes`` raises
   ``EventTooLargeError``: memory stays bounded even for a stream that never sends a blank
   line. The check does not depend on how the bytes were split into reads.
-* ``id`` sets the last event id, which persists across events; ``retry`` is the stream's
-  reconnection time (stream state too): each event carries the latest valid value seen.
-* ``flush()`` ends the stream: it interprets the lines of the unfinished event, the last
-  one even without its line end (an ``id:`` there still counts), then discards that event,
-  since the spec never dispatches an event without its closing blank line: it returns
-  ``[]``. The decoder can then read a new stream (a reconnection); the last event id and
-  the reconnection time are kept.
+* The end of the stream needs no call: the spec never dispatches an event without its
+  closing blank line, so an unfinished event is simply dropped with the decoder.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from worker.errors import EventTooLargeError
 
-__all__ = ["DEFAULT_MAX_EVENT_BYTES", "SSEDecoder", "ServerSentEvent"]
+__all__ = ["DEFAULT_MAX_EVENT_BYTES", "SSEDecoder"]
 
 DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
 
@@ -62,95 +52,56 @@ _CR = 13
 _COMMENT_BLOCK = re.compile(rb"\n\n:[^\n]*(?=\n\n|\Z)")
 
 
-@dataclass(frozen=True, slots=True)
-class ServerSentEvent:
-    """One dispatched event. ``id`` is the last event id, which persists across events."""
-
-    data: str
-    event: str = "message"
-    id: str = ""
-    retry: int | None = None
-
-
-# Fast construction of the frozen event (see the module docstring): write the slots directly.
-_new_event = object.__new__
-_slot = vars(ServerSentEvent)
-_set_data: Callable[[ServerSentEvent, str], None] = _slot["data"].__set__
-_set_event: Callable[[ServerSentEvent, str], None] = _slot["event"].__set__
-_set_id: Callable[[ServerSentEvent, str], None] = _slot["id"].__set__
-_set_retry: Callable[[ServerSentEvent, int | None], None] = _slot["retry"].__set__
-
-
 class SSEDecoder:
-    """Feed raw response bytes with ``feed()``; call ``flush()`` at the end of the stream."""
+    """Feed raw response bytes, read by read, to :meth:`feed_data`."""
 
-    __slots__ = (
-        "_at_start",
-        "_head",
-        "_last_id",
-        "_max",
-        "_parts",
-        "_parts_size",
-        "_rest",
-        "_retry",
-        "_skip_lf",
-        "_special",
-    )
+    __slots__ = ("_at_start", "_head", "_max", "_parts", "_parts_size", "_rest", "_skip_lf",
+                 "_special")  # fmt: skip
 
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         if max_event_bytes < 1:
             raise ValueError("max_event_bytes must be at least 1")
         self._max = max_event_bytes
-        self._last_id = ""
-        self._retry: int | None = None
-        self._reset_stream()
-
-    def _reset_stream(self) -> None:
         self._at_start = True  # a BOM may still come
         self._head = b""  # the first bytes of the stream while the BOM is undecided
         self._skip_lf = False  # the previous read ended with CR
-        self._special = True  # _at_start or _skip_lf: feed() must call _normalize()
+        self._special = True  # _at_start or _skip_lf: feed_data() must call _normalize()
         # The unfinished event (never starts with LF, never holds a blank line): ``_rest``,
         # or, once reads without a boundary were added to it, the pieces in ``_parts``.
         self._rest = b""
         self._parts: list[bytes] = []
         self._parts_size = 0
 
-    @property
-    def last_event_id(self) -> str:
-        return self._last_id
-
-    @property
-    def retry(self) -> int | None:
-        """The reconnection time (milliseconds) from the latest valid ``retry`` field."""
-        return self._retry
-
-    def feed(self, data: bytes) -> list[ServerSentEvent]:
-        """Decode one read; return the events it completed (often none or one)."""
-        complete = self._complete(data)
-        if not complete:
-            return []
-        text = complete.decode("utf-8", "replace")
-        if text[:6] != "data: " or "\n" in text:
-            return self._events(text)
-        event = _new_event(ServerSentEvent)  # the hot path: one `data: ` line, inlined
-        _set_data(event, text[6:])
-        _set_event(event, "message")
-        _set_id(event, self._last_id)
-        _set_retry(event, self._retry)
-        return [event]
-
     def feed_data(self, data: bytes) -> list[bytes]:
-        """Like :meth:`feed`, but only the ``data`` of each completed event, whatever its
-        type (``id`` and ``retry`` fields still update the stream state), as UTF-8 bytes
-        that are not validated: ``.decode("utf-8", "replace")`` gives the event's data.
-        Builds no event objects and decodes nothing: a read of plain ``data:`` events and
-        comment blocks is split in bulk."""
-        complete = self._complete(data)
-        if complete[:6] == b"data: " and _LF not in complete:  # one plain event
-            return [complete[6:]]
-        if not complete:
+        """Decode one read; return the data of each event it completed (often none or
+        one), whatever its type, as UTF-8 bytes that are not validated:
+        ``.decode("utf-8", "replace")`` gives the event's data. Builds no objects and
+        decodes nothing when the read holds only plain ``data:`` events and comments."""
+        if self._special or _CR in data:
+            data = self._normalize(data)
+        cut = data.rfind(b"\n\n")  # the complete events end at the last blank line
+        if cut < 0 and not (data[:1] == b"\n" and self._rest_ends_with_lf()):
+            self._keep(data)
             return []
+        rest = self._join_parts() if self._parts else self._rest
+        self._rest = tail = data[cut + 2 :]
+        if rest:  # cut == -1 when the blank line is the LF that opens this read
+            block = rest + data[:cut] if cut >= 0 else rest[:-1]
+        else:
+            block = data[:cut] if cut > 0 else b""
+        limit = self._max
+        if len(tail) > limit:
+            self._check_rest()
+        if not block:
+            return []
+        if len(block) > limit:
+            self._check_events(block)
+        if block[:6] == b"data: " and _LF not in (field := block[6:]):  # one plain event
+            return [field]
+        return self._events(block)
+
+    def _events(self, complete: bytes) -> list[bytes]:
+        """The data of the complete events (without their closing blank line)."""
         if complete[:1] == b":" or b"\n\n:" in complete:  # drop comment-only blocks
             complete = _COMMENT_BLOCK.sub(b"", b"\n\n" + complete).lstrip(b"\n")
         if complete[:6] == b"data: ":
@@ -159,41 +110,7 @@ class SSEDecoder:
                 return fields
         if not complete:
             return []
-        events = self._events(complete.decode("utf-8", "replace"))
-        return [event.data.encode() for event in events]
-
-    def _complete(self, data: bytes) -> bytes:
-        """Add one read; return the complete events it ends, without their closing blank
-        line (b"" when it ends none)."""
-        if self._special or _CR in data:
-            data = self._normalize(data)
-        cut = data.rfind(b"\n\n")
-        if cut < 0 and not (data[:1] == b"\n" and self._rest_ends_with_lf()):
-            self._keep(data)
-            return b""
-        rest = self._join_parts() if self._parts else self._rest
-        if rest:  # cut == -1 when the blank line is the LF that opens this read
-            cut += len(rest)
-            data = rest + data
-        self._rest = tail = data[cut + 2 :]
-        if len(tail) > self._max:
-            self._check_rest()
-        if cut <= 0:
-            return b""
-        if cut > self._max:
-            self._check_events(data[:cut])
-        return data[:cut]
-
-    def flush(self) -> list[ServerSentEvent]:
-        """End of stream: interpret the unfinished event's lines, then drop the event."""
-        try:
-            self._rest = self._head + (self._join_parts() if self._parts else self._rest)
-            self._check_rest()
-            lines = self._rest.decode("utf-8", "replace").split("\n")
-            self._interpret(lines, [])  # only for the fields: the events are discarded
-        finally:
-            self._reset_stream()
-        return []
+        return [data.encode() for data in _interpret(complete.decode("utf-8", "replace"))]
 
     def _normalize(self, data: bytes) -> bytes:
         """Swallow the LF of a split CRLF, strip the BOM, turn CRLF and CR into LF."""
@@ -243,68 +160,6 @@ class SSEDecoder:
     def _rest_ends_with_lf(self) -> bool:
         return (self._parts[-1] if self._parts else self._rest)[-1:] == b"\n"
 
-    def _events(self, text: str) -> list[ServerSentEvent]:
-        """Dispatch the complete events in ``text`` (LF-only, no closing blank line)."""
-        events: list[ServerSentEvent] = []
-        items = text.split("\n\ndata: ")
-        first = items[0]
-        if first[:6] == "data: " and "\n" not in first:
-            items[0] = first[6:]
-        else:  # a comment, another field or blank lines come first
-            self._interpret(first.split("\n"), events)
-            del items[0]
-        last_id = self._last_id
-        retry = self._retry
-        append = events.append
-        for item in items:
-            if "\n" in item:  # more lines follow the first data line
-                self._interpret(("data: " + item).split("\n"), events)
-                last_id = self._last_id
-                retry = self._retry
-                continue
-            event = _new_event(ServerSentEvent)
-            _set_data(event, item)
-            _set_event(event, "message")
-            _set_id(event, last_id)
-            _set_retry(event, retry)
-            append(event)
-        return events
-
-    def _interpret(self, lines: list[str], events: list[ServerSentEvent]) -> None:
-        """The spec's line-by-line reading; ``lines`` start at an event boundary."""
-        data: list[str] = []
-        event_type = ""
-        for line in lines:
-            if not line:
-                if data:
-                    events.append(self._dispatch(data, event_type))
-                    data = []
-                event_type = ""
-            elif line[0] != ":":  # a ":" line is a comment
-                name, _, value = line.partition(":")
-                if value[:1] == " ":
-                    value = value[1:]
-                if name == "data":
-                    data.append(value)
-                else:
-                    event_type = self._field(name, value, event_type)
-        if data:
-            events.append(self._dispatch(data, event_type))
-
-    def _field(self, name: str, value: str, event_type: str) -> str:
-        """Apply a field other than ``data``; return the (possibly new) event type."""
-        if name == "event":
-            return value
-        if name == "id":
-            if "\0" not in value:
-                self._last_id = value
-        elif name == "retry" and value.isascii() and value.isdigit():
-            self._retry = int(value)
-        return event_type
-
-    def _dispatch(self, data: list[str], event_type: str) -> ServerSentEvent:
-        return ServerSentEvent("\n".join(data), event_type or "message", self._last_id, self._retry)
-
     def _check_rest(self) -> None:
         """Raise if the unfinished event is over the limit (a final LF does not count)."""
         if self._parts:
@@ -323,9 +178,27 @@ class SSEDecoder:
                 self._too_large(size)
 
     def _too_large(self, size: int) -> None:
-        self._reset_stream()
+        self._rest, self._parts, self._parts_size = b"", [], 0  # memory stays bounded
         raise EventTooLargeError(
             f"SSE event of {size} bytes or more exceeds the limit of "
             f"max_event_bytes={self._max} bytes",
             detail={"limit": self._max, "size": size},
         )
+
+
+def _interpret(text: str) -> list[str]:
+    """The spec's line-by-line reading of complete events (LF-only ``text`` without the
+    closing blank line): the data of each event that has a data line."""
+    events: list[str] = []
+    data: list[str] = []
+    for line in text.split("\n"):
+        if not line:
+            if data:
+                events.append("\n".join(data))
+                data = []
+        elif line[:4] == "data" and line[4:5] in ("", ":"):
+            value = line[5:]
+            data.append(value[1:] if value[:1] == " " else value)
+    if data:
+        events.append("\n".join(data))
+    return events

@@ -21,30 +21,40 @@ checks the second.
 When every hole held the same value at learning time (one hole, or OpenRouter's token in
 both ``delta.reasoning`` and ``reasoning_details[0].text``), the template is *linked*: a
 hole's size follows from the data's length, and the data must equal the literals joined
-by that one hole, a single comparison. Such a hole may hold escapes: if it is not clean
-(or has other non-printable characters), ``from_json(b'"' + hole + b'"')`` decides, which
-succeeds exactly when the hole is one valid JSON string and then gives its value.
-Otherwise (an ``obfuscation`` value beside the token) each hole ends at the next quote, so
-holes must be clean. Invalid UTF-8 never matches: the parser's U+FFFD path decides.
+by that one hole, a single comparison. OpenAI adds a random ``obfuscation`` string as the
+chunk's last key: when the last hole is such a random one and the others are linked, it
+opens at the last quote before the final literal (so it holds no quote), and the data
+before it must start with the other literals joined by one value. Otherwise each hole but
+the last ends at the first quote after its start that no backslash escapes, the literal
+that follows must be there, and the last hole ends where the last literal starts.
+
+Every hole is then checked to be one valid JSON string: if it holds a quote, a backslash
+or a non-printable character, ``from_json(b'"' + hole + b'"')`` decides, which succeeds
+exactly when it is one valid JSON string and then gives its value (an ignored hole of
+letters and digits needs no check). Invalid UTF-8 in the folded hole never matches: the
+parser's U+FFFD path decides (in an ignored hole it changes nothing the accumulator
+reads).
 
 Holes
 -----
 ``want`` is the value the accumulator folds; ``ignore`` paths are string fields it never
-reads and that may change from chunk to chunk (OpenRouter's ``delta.reasoning`` next to
-``reasoning_details``, OpenAI's random ``obfuscation`` padding). Any other change, a
-number included (a tool call's ``index``), is a different template.
+reads and that may change from chunk to chunk: OpenRouter's ``delta.reasoning`` next to
+``reasoning_details`` (usually the same value: such holes may be linked) and the
+``random`` ones, never linked (OpenAI's random ``obfuscation`` padding). Any other change,
+a number included (a tool call's ``index``), is a different template.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic_core import from_json
 
 __all__ = ["ChunkTemplate", "Path", "is_clean", "learn"]
 
 Path = tuple[str | int, ...]
+K = TypeVar("K")
 
 
 def is_clean(value: str) -> bool:
@@ -52,85 +62,122 @@ def is_clean(value: str) -> bool:
     return '"' not in value and "\\" not in value and value.isprintable()
 
 
-class ChunkTemplate:
-    """Literal parts of a data field (UTF-8 bytes) with string holes between them."""
+class ChunkTemplate(Generic[K]):
+    """Literal parts of a data field (UTF-8 bytes) with string holes between them; ``key``
+    is what the accumulator needs to fold the value (what it appends to)."""
 
-    __slots__ = (
-        "_count",
-        "_fixed",
-        "_head",
-        "_linked",
-        "_literals",
-        "_middles",
-        "_start",
-        "_stop",
-        "_tail",
-        "_want",
-        "key",
-        "kind",
-    )
+    __slots__ = ("_count", "_fixed", "_head", "_linked", "_literals", "_middles",
+                 "_random_last", "_start", "_tail", "_tail_size", "_want", "key")  # fmt: skip
 
     def __init__(
-        self, literals: list[bytes], want: int, kind: str, key: Any, *, linked: bool = False
+        self, literals: list[bytes], want: int, key: K, *, linked: bool, random_last: bool
     ) -> None:
-        self._literals = tuple(literals)
-        self._head, *self._middles, self._tail = literals
-        self._count = len(literals) - 1  # holes
-        self._linked = linked or self._count == 1  # every hole holds the same value
-        self._start, self._stop = len(self._head), -len(self._tail)  # the tail is never b""
-        self._fixed = sum(map(len, literals))
+        """``linked``: every hole held the same value; ``random_last``: all but the last
+        did, and the last is a random string (see the module docstring)."""
+        self._head, *self._middles, self._tail = literals  # the tail is never b""
+        self._tail_size = len(self._tail)
+        self._random_last = random_last
+        self._literals = tuple(literals[:-1] if random_last else literals)
+        self._count = len(self._literals) - 1  # the holes holding the one value
+        self._linked = linked or self._count == 1
+        self._start = len(self._head)
+        self._fixed = sum(map(len, self._literals))
         self._want = want  # which hole holds the folded value
-        self.kind = kind  # what the value is: "text", "args" or "reasoning"
-        self.key = key  # what the accumulator needs to fold it (a call index, an entry)
+        self.key = key
 
     def match(self, data: bytes) -> str | None:
         """The folded value of ``data`` if it fits the template (non-empty), else None."""
-        if not self._linked:
+        end, start = len(data), self._start
+        if self._random_last:  # the random hole opens at the last quote before the tail
+            end -= self._tail_size
+            opens = data.rfind(_QUOTE, start, end)
+            random = data[opens + 1 : end]
+            valid = random.isalnum() or _is_string(random)  # (OpenAI's: letters and digits)
+            if opens < 0 or not valid or not data.endswith(self._tail):
+                return None
+            end = opens + 1
+        elif not self._linked:
             return self._match_holes(data)
-        # One value in every hole: its size follows from the length, and the data must be
-        # the literals joined by it.
-        size = (len(data) - self._fixed) // self._count
-        start = self._start
+        # One value in every hole up to ``end``: its size follows from the length, and the
+        # data must start with the literals joined by it.
+        size = end - self._fixed
+        if self._count > 1:
+            size, rest = divmod(size, self._count)
+            size = -1 if rest else size
         raw = data[start : start + size]
-        if size <= 0 or raw.join(self._literals) != data:
+        if size <= 0 or not data.startswith(raw.join(self._literals)):
             return None
-        if _QUOTE in raw or _BACKSLASH in raw:
-            return _json_string(raw)
-        try:
-            value = raw.decode()
-        except UnicodeDecodeError:  # left to the parser's U+FFFD path
-            return None
-        return value if value.isprintable() else _json_string(raw)
+        if _QUOTE not in raw and _BACKSLASH not in raw:  # (_value's common case, inline)
+            try:
+                value = raw.decode()
+            except UnicodeDecodeError:
+                return None
+            if value.isprintable():
+                return value
+        return _value(raw)
 
     def _match_holes(self, data: bytes) -> str | None:
-        """Holes of different values: each ends at the first quote after its start."""
+        """Holes of different values (see the module docstring)."""
         if (
             len(data) <= self._fixed
             or not data.startswith(self._head)
             or not data.endswith(self._tail)
-            or _BACKSLASH in data  # literals have none (learn()): a hole has an escape
         ):
             return None
-        start, stop = self._start, len(data) + self._stop
-        values: list[str | None] = []
+        stop = len(data) - len(self._tail)
+        start, holes = self._start, []
         for literal in self._middles:
-            end = data.find(_QUOTE, start, stop)  # a clean hole ends at the first quote
+            end = data.find(_QUOTE, start, stop)
+            if data[end - 1] == _BACKSLASH:  # (-1: data[-2] is the tail's quote, no backslash)
+                end = _closing_quote(data, start, stop)
             if end < 0 or not data.startswith(literal, end):
                 return None
-            values.append(_decoded(data[start:end]))
+            holes.append(data[start:end])
             start = end + len(literal)
-        if start > stop or data.find(_QUOTE, start, stop) >= 0:
+        if start > stop:
             return None
-        values.append(_decoded(data[start:stop]))
-        return None if None in values else values[self._want] or None
+        holes.append(data[start:stop])
+        want = holes.pop(self._want)
+        return _value(want) if all(map(_is_string, holes)) else None
 
 
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")  # ints: `in` and find() skip the buffer protocol
 
 
+def _closing_quote(data: bytes, start: int, stop: int) -> int:
+    """The first quote in ``data[start:stop]`` that no backslash escapes, or -1."""
+    end = data.find(_QUOTE, start, stop)
+    while end > start and data[end - 1] == _BACKSLASH:
+        escapes = end - 1
+        while escapes > start and data[escapes - 1] == _BACKSLASH:
+            escapes -= 1
+        if (end - escapes) % 2 == 0:
+            break
+        end = data.find(_QUOTE, end + 1, stop)
+    return end
+
+
+def _is_string(raw: bytes) -> bool:
+    """Whether an ignored hole is one valid JSON string (OpenAI's obfuscation: letters and
+    digits)."""
+    return raw.isalnum() or not raw or _json_string(raw) is not None
+
+
+def _value(raw: bytes) -> str | None:
+    """A hole's value if it is one valid, non-empty JSON string (invalid UTF-8 is left to
+    the parser's U+FFFD path)."""
+    if _QUOTE in raw or _BACKSLASH in raw:
+        return _json_string(raw)
+    try:
+        value = raw.decode()
+    except UnicodeDecodeError:
+        return None
+    return value if value.isprintable() else _json_string(raw)
+
+
 def _json_string(raw: bytes) -> str | None:
     """A hole with escapes (or other characters to check): it holds one valid JSON string
-    exactly when ``"raw"`` parses, and then that parse is its value."""
+    exactly when ``"raw"`` parses, and then that parse is its value (None when empty)."""
     try:
         value = from_json(b'"' + raw + b'"')
     except ValueError:
@@ -138,23 +185,19 @@ def _json_string(raw: bytes) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _decoded(raw: bytes) -> str | None:
-    """A hole's bytes (without quote or backslash) as text, if valid UTF-8 without
-    control characters (invalid UTF-8 is left to the parser's U+FFFD path)."""
-    try:
-        value = raw.decode()
-    except UnicodeDecodeError:
-        return None
-    return value if value.isprintable() else None
-
-
 def learn(
-    data: bytes, chunk: Any, want: Path, ignore: tuple[Path, ...], kind: str, key: Any
-) -> ChunkTemplate | None:
+    data: bytes,
+    chunk: Any,
+    want: Path,
+    ignore: tuple[Path, ...],
+    random: tuple[Path, ...],
+    key: K,
+) -> ChunkTemplate[K] | None:
     """The template of ``data`` (which parsed to ``chunk``) with holes at ``want`` and at
-    the ``ignore`` paths that hold strings; None when it cannot be proven exact."""
+    the ``ignore`` and ``random`` paths that hold strings; None when it cannot be proven
+    exact."""
     holes, values = [], []
-    for path in (want, *ignore):
+    for path in (want, *ignore, *random):
         value = _get(chunk, path)
         if isinstance(value, str) and value:
             if not is_clean(value):
@@ -173,8 +216,11 @@ def learn(
     literals = [data[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2)]
     if any(_BACKSLASH in literal for literal in literals):
         return None
-    linked = len(set(values)) == 1
-    return ChunkTemplate(literals, order.index(0), kind, key, linked=linked)
+    linked = len(set(values)) == 1 and not any(path in random for path in holes)
+    last = order[-1]  # the hole in the last position
+    others = {value for hole, value in enumerate(values) if hole != last}
+    random_last = holes[last] in random and len(others) == 1
+    return ChunkTemplate(literals, order.index(0), key, linked=linked, random_last=random_last)
 
 
 def _spans(data: bytes, values: list[bytes]) -> list[tuple[int, int]] | None:

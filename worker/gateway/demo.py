@@ -14,11 +14,11 @@ import sys
 from contextlib import AsyncExitStack
 
 import httpx
+from httpx_sse import EventSource
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
 from worker.settings import Settings
-from worker.sse import SSEDecoder
 
 CUT_AFTER_EVENTS = 12
 
@@ -56,13 +56,12 @@ async def _first_part(http: httpx.AsyncClient, message: str) -> tuple[str, str]:
         response.raise_for_status()
         job_id = response.headers["x-chatstream-job-id"]
         print(f"job {job_id}; its OpenAI chunks, live:\n", flush=True)
-        decoder, seen = SSEDecoder(), 0
-        async for data in response.aiter_raw():
-            for event in decoder.feed(data):
-                _show(event.data)
-                seen += 1
-                if seen == CUT_AFTER_EVENTS:
-                    return job_id, event.id
+        seen = 0
+        async for event in EventSource(response).aiter_sse():
+            _show(event.data)
+            seen += 1
+            if seen == CUT_AFTER_EVENTS:
+                return job_id, event.id
     raise RuntimeError("the reply ended before the demo cut it")
 
 
@@ -72,11 +71,9 @@ async def _rest(http: httpx.AsyncClient, job_id: str, last_id: str) -> bool:
     finished = False
     async with http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
         response.raise_for_status()
-        decoder = SSEDecoder()
-        async for data in response.aiter_raw():
-            for event in decoder.feed(data):
-                finished = finished or event.data == "[DONE]"
-                _show(event.data)
+        async for event in EventSource(response).aiter_sse():
+            finished = finished or event.data == "[DONE]"
+            _show(event.data)
     return finished
 
 
