@@ -76,9 +76,10 @@ class Liveness:
         self._beating_since: float | None = None  # monotonic; None after a failed beat
 
     async def load(self) -> None:
-        """Use the ``allow-oom`` flag if the server knows script flags (not fakeredis)."""
+        """Use the ``allow-oom`` flag if the server runs flagged scripts (Redis 7; not Redis
+        6, nor fakeredis, which loads such a script but cannot run it)."""
         try:
-            await self.redis.script_load(self._beat.script)
+            await self.redis.eval(ALLOW_OOM + "return 1", 0)
         except ResponseError:
             self._beat = self.redis.register_script(BEAT)
 
