@@ -2,14 +2,15 @@
 
 Docker cannot run here, so these checks read the files: every command parses with the
 real CLI parser, every ``CHATSTREAM_*`` variable is a setting and its value validates,
-hosts and ports agree between services, and the image installs the package and runs
-``chatstream worker``.
+hosts and ports agree between services, the gateways serve the prefix their workers run,
+and the image installs the package and runs ``chatstream worker``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import os
 import re
 import shlex
@@ -22,6 +23,9 @@ import pytest
 import yaml
 
 from worker.cli import build_parser
+from worker.errors import ConfigError
+from worker.gateway.auth import ApiKeys
+from worker.gateway.server import SHUTDOWN_GRACE_SECONDS as GATEWAY_GRACE_SECONDS
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,11 +99,16 @@ def option(args: list[str], name: str) -> str:
 # -- docker-compose.yml --------------------------------------------------------------------
 
 
+SERVICES = {"redis", "worker", "gateway"}
+DEMO_SERVICES = {"mock-upstream", "demo-worker", "demo", "demo-gateway"}
+
+
 def test_compose_has_the_services_and_the_demo_profile() -> None:
     found = services()
-    assert {"redis", "worker", "mock-upstream", "demo-worker", "demo"} <= set(found)
-    assert "profiles" not in found["redis"] and "profiles" not in found["worker"]
-    for name in ("mock-upstream", "demo-worker", "demo"):
+    assert set(found) == SERVICES | DEMO_SERVICES
+    for name in SERVICES:
+        assert "profiles" not in found[name], name
+    for name in DEMO_SERVICES:
         assert found[name]["profiles"] == ["demo"], name
 
 
@@ -122,9 +131,11 @@ def test_the_worker_can_be_scaled() -> None:
 
 def test_every_command_parses_with_the_cli() -> None:
     commands = {name: parse_command(s["command"]) for name, s in services().items() if "build" in s}
-    assert set(commands) == {"worker", "mock-upstream", "demo-worker", "demo"}
+    assert set(commands) == (SERVICES | DEMO_SERVICES) - {"redis"}
     assert commands["worker"].command.__name__ == "worker_command"
     assert commands["demo-worker"].command.__name__ == "worker_command"
+    assert commands["gateway"].command.__name__ == "gateway_command"
+    assert commands["demo-gateway"].command.__name__ == "gateway_command"
     assert commands["mock-upstream"].command.__name__ == "mock_command"
     demo = commands["demo"]
     assert demo.command.__name__ == "enqueue_command" and demo.follow
@@ -167,13 +178,17 @@ def resolved_settings(
 
 def test_the_services_share_redis_and_the_demo_has_its_own_prefix() -> None:
     found = services()
-    envs = {name: environment(found[name]) for name in ("worker", "demo-worker", "demo")}
+    envs = {name: environment(found[name]) for name in set(found) - {"redis", "mock-upstream"}}
     redis_url = urlsplit(envs["worker"]["CHATSTREAM_REDIS_URL"] or "")
     assert (redis_url.scheme, redis_url.hostname, redis_url.port) == ("redis", "redis", 6379)
     assert {env["CHATSTREAM_REDIS_URL"] for env in envs.values()} == {redis_url.geturl()}
     demo_prefix = envs["demo"]["CHATSTREAM_PREFIX"]
-    assert envs["demo-worker"]["CHATSTREAM_PREFIX"] == demo_prefix
-    assert envs["worker"]["CHATSTREAM_PREFIX"] != demo_prefix  # real workers never see it
+    prefix = envs["worker"]["CHATSTREAM_PREFIX"]
+    assert prefix != demo_prefix  # real workers never see the demo's jobs
+    # each gateway enqueues and reads the jobs of the workers beside it
+    assert envs["gateway"]["CHATSTREAM_PREFIX"] == prefix
+    for name in DEMO_SERVICES - {"mock-upstream"}:
+        assert envs[name]["CHATSTREAM_PREFIX"] == demo_prefix, name
 
 
 def test_the_demo_worker_streams_from_the_mock() -> None:
@@ -207,6 +222,67 @@ def test_the_worker_takes_its_upstreams_from_the_shell_or_chatstream_env(
         assert "chatstream.env" in (ROOT / ignore_file).read_text().split(), ignore_file
 
 
+def test_the_gateway_takes_its_keys_from_the_shell_or_chatstream_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No key is written in the file for the real gateway: without one it refuses to start
+    (saying so); with keys from the shell (or chatstream.env) it starts."""
+    gateway = services()["gateway"]
+    env = environment(gateway)
+    assert env["CHATSTREAM_GATEWAY_API_KEYS"] is None  # pass-through
+    assert gateway["env_file"] == services()["worker"]["env_file"]
+    with pytest.raises(ConfigError, match="CHATSTREAM_GATEWAY_API_KEYS"):
+        ApiKeys.from_setting(resolved_settings(monkeypatch, env).gateway_api_keys)
+    digest = hashlib.sha256(b"sk-team-b").hexdigest()
+    shell = {"CHATSTREAM_GATEWAY_API_KEYS": f"sk-team-a,sha256:{digest}"}
+    keys = ApiKeys.from_setting(resolved_settings(monkeypatch, env, shell).gateway_api_keys)
+    assert keys.check("sk-team-a") and keys.check("sk-team-b")
+
+
+def test_the_demo_gateway_opens_with_the_key_and_url_the_header_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    header = (ROOT / "docker-compose.yml").read_text().split("services:")[0]
+    match = re.search(r"http://127\.0\.0\.1:(\d+)/#key=([^&\s]+)&model=", header)
+    assert match is not None, "the header shows the demo page's URL"
+    demo = services()["demo-gateway"]
+    settings = resolved_settings(monkeypatch, environment(demo))
+    assert ApiKeys.from_setting(settings.gateway_api_keys).check(match.group(2))
+    assert published(demo) == ("127.0.0.1", int(match.group(1)), gateway_port(demo))
+
+
+def gateway_port(service: dict[str, Any]) -> int:
+    """The port a gateway service listens on (on all of the container's interfaces)."""
+    args = argv(service["command"])
+    assert option(args, "--host") == "0.0.0.0"  # else nothing outside the container reaches it
+    return int(option(args, "--port"))
+
+
+def published(service: dict[str, Any]) -> tuple[str, int, int]:
+    """(host address, host port, container port) of the service's one published port."""
+    [mapping] = service["ports"]
+    address, host_port, container_port = str(mapping).split(":")
+    return address, int(host_port), int(container_port)
+
+
+def test_the_gateways_listen_publish_and_are_checked_on_one_port() -> None:
+    """Each listens on its port, publishes it on the host's loopback only (plain HTTP:
+    a TLS proxy goes in front), and is healthy when /healthz answers (Redis reachable)."""
+    found = services()
+    hosts = set()
+    for name in ("gateway", "demo-gateway"):
+        port = gateway_port(found[name])
+        address, host_port, container_port = published(found[name])
+        assert (address, container_port) == ("127.0.0.1", port), name
+        url = urlsplit(healthcheck_url(found[name]))
+        assert (url.hostname, url.port, url.path) == ("127.0.0.1", port, "/healthz"), name
+        assert found[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        hosts.add(host_port)
+    assert len(hosts) == 2  # both can run at once
+    default = Settings.model_fields["gateway_port"].default  # what the docs' URLs use
+    assert published(found["gateway"])[1] == default == 8300
+
+
 def test_ports_match_the_cli_and_settings_defaults() -> None:
     found = services()
     mock_args = argv(found["mock-upstream"]["command"])
@@ -236,6 +312,9 @@ def test_the_stop_timeout_covers_the_shutdown_grace_period() -> None:
         float(grace) if grace else Settings.model_fields["shutdown_grace_seconds"].default
     )
     assert duration_seconds(worker["stop_grace_period"]) >= grace_seconds + 5
+    for name in ("gateway", "demo-gateway"):  # its open streams end within its grace
+        stop = duration_seconds(services()[name]["stop_grace_period"])
+        assert stop >= GATEWAY_GRACE_SECONDS + 5, name
 
 
 def test_the_demo_client_waits_for_a_ready_worker_and_mock() -> None:
@@ -310,12 +389,17 @@ def test_dockerfile_copies_everything_the_package_build_needs() -> None:
 # -- Procfile -----------------------------------------------------------------------------
 
 
-def test_procfile_runs_the_worker() -> None:
+def test_procfile_runs_the_worker_and_the_gateway_as_web() -> None:
+    """``web`` is the process a Procfile platform routes HTTP to, on the ``$PORT`` it
+    sets (Heroku, Dokku; honcho and foreman set one per process too)."""
     entries = {}
     for line in (ROOT / "Procfile").read_text().splitlines():
         if line.strip():
             name, _, command = line.partition(":")
             entries[name.strip()] = command.strip()
-    assert entries == {"worker": "chatstream worker"}
-    for command in entries.values():
-        assert parse_command(command).command.__name__ == "worker_command"
+    assert set(entries) == {"worker", "web"}
+    assert parse_command(entries["worker"]).command.__name__ == "worker_command"
+    assert "$PORT" in entries["web"]
+    web = parse_command(entries["web"].replace("$PORT", "5123"))  # as the platform's shell
+    assert web.command.__name__ == "gateway_command"
+    assert (web.host, web.port) == ("0.0.0.0", 5123)

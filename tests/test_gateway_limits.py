@@ -220,8 +220,15 @@ BAD_BODIES = [
         "model",
         id="blank-model",
     ),
-    pytest.param(
-        json.dumps({**chat("hi"), "n": 2}).encode(), 400, "invalid_request", "n must be 1", id="n"
+    *(
+        pytest.param(
+            json.dumps({**chat("hi"), "n": n}).encode(),
+            400,
+            "invalid_request",
+            "n must be an integer from 1 to 128",
+            id=f"n={n!r}",
+        )
+        for n in (0, -1, 129, 10**6, 2.0, "2", True, [2])
     ),
     pytest.param(
         json.dumps({**chat("hi"), "stream": "yes"}).encode(),
@@ -255,6 +262,15 @@ async def test_a_bad_request_body_is_refused_with_one_clear_message(
         response = await http.post(COMPLETIONS, content=body)
     assert_error(response, status, code, fragment)
     assert await queue_length(idle) == 0
+
+
+@pytest.mark.parametrize("n", [None, 1, 2, 128])
+async def test_n_up_to_openais_limit_is_accepted(idle: GatewayEnv, n: int | None) -> None:
+    async with idle.http() as http:
+        response = await http.post(COMPLETIONS, json={**STREAM, "n": n}, headers=ASYNC)
+    assert response.status_code == 202, response.text
+    record = await idle.client.get(response.json()["id"])
+    assert record.request is not None and record.request.get("n") == n  # goes upstream as sent
 
 
 async def test_an_oversized_body_without_content_length_is_refused(idle: GatewayEnv) -> None:

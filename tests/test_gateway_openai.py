@@ -2,24 +2,33 @@
 
 The same request goes once straight to the mock upstream and once through the gateway
 (which queues it as a job; a worker streams it from the same mock into Redis; the gateway
-serves it back). The SDK must return the same content, tool calls, usage and finish
-reason both ways: sync and async clients, ``stream=True`` (accumulated by the SDK's own
-``ChatCompletionStreamState``) and ``stream=False``. Failures surface as the SDK's own
-exceptions, as they do from OpenAI.
+serves it back). The SDK must return the same reply both ways: every choice's content,
+refusal, tool calls and finish reason, the usage, and the provider extras
+(``web_search``, ``free_tier``: the last non-null value its chunks carried, or the
+``chat.completion``'s own). Sync and async clients, ``stream=True`` (accumulated by the
+SDK's own ``ChatCompletionStreamState``) and ``stream=False``. Failures surface as the
+SDK's own exceptions, as they do from OpenAI.
+
+Refusals, n > 1 and extras come from scripted streams shaped like OpenAI's (``usage:
+null`` and ``obfuscation`` on every chunk, one choice per chunk, each choice finishing in
+its own chunk). The mock has no non-streamed form of a script, so for those the reference
+is the SDK's accumulation of the upstream's stream, with ``stream=False`` through the
+gateway as well.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletion
 from redis.asyncio import Redis
 
+from schemas.jobs import EXTRAS
 from tests.gateway_env import KEY, GatewayEnv, running_gateway
 from worker.mock_upstream import MockUpstream
 from worker.settings import Settings
@@ -39,6 +48,107 @@ TOOLS: list[Any] = [
 ]
 
 
+# -- scripted streams, shaped like OpenAI's --------------------------------------------------
+
+
+def openai_chunk(*choices: dict[str, Any], **top: Any) -> str:
+    body = {
+        "id": "chatcmpl-script",
+        "object": "chat.completion.chunk",
+        "created": 1751299200,
+        "model": "mock-model",
+        "service_tier": "default",
+        "system_fingerprint": "fp_script",
+        "choices": list(choices),
+        "usage": None,
+        "obfuscation": "Xk2",
+        **top,
+    }
+    return json.dumps(body, ensure_ascii=False)
+
+
+def delta(index: int, finish: str | None = None, **fields: Any) -> dict[str, Any]:
+    return {"index": index, "delta": fields, "logprobs": None, "finish_reason": finish}
+
+
+SCRIPT_USAGE = {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}
+REFUSAL = [
+    openai_chunk(delta(0, role="assistant", content=None, refusal="")),
+    openai_chunk(delta(0, refusal="I'm sorry,")),
+    openai_chunk(delta(0, refusal=" but I can't help with that ✋.")),
+    openai_chunk(delta(0, "stop")),
+    openai_chunk(choices=[], usage=SCRIPT_USAGE),
+    "[DONE]",
+]
+ARGS = '{"query": "durable streams"}'
+FIRST_CALL = {"id": "call_s1", "type": "function", "function": {"name": "lookup", "arguments": ""}}
+CHOICES = [  # n = 3: text, a refusal and a tool call, interleaved; each finishes on its own
+    openai_chunk(delta(0, role="assistant", content="")),
+    openai_chunk(delta(1, role="assistant", content=None, refusal="")),
+    openai_chunk(delta(2, role="assistant", content=None)),
+    openai_chunk(delta(0, content="A durable")),
+    openai_chunk(delta(1, refusal="I won't")),
+    openai_chunk(delta(2, tool_calls=[{"index": 0, **FIRST_CALL}])),
+    openai_chunk(delta(0, content=" token stream")),
+    openai_chunk(delta(2, tool_calls=[{"index": 0, "function": {"arguments": ARGS[:9]}}])),
+    openai_chunk(delta(1, refusal=" answer that.")),
+    openai_chunk(delta(1, "stop")),
+    openai_chunk(delta(2, tool_calls=[{"index": 0, "function": {"arguments": ARGS[9:]}}])),
+    openai_chunk(delta(0, content=" survives")),
+    openai_chunk(delta(2, "tool_calls")),
+    openai_chunk(delta(0, "length")),
+    openai_chunk(choices=[], usage=SCRIPT_USAGE),
+    "[DONE]",
+]
+EXTRAS_SCRIPT = [  # the last non-null value counts: web_search changes, then is null
+    openai_chunk(delta(0, role="assistant", content="Searching"), web_search={"results": 1}),
+    openai_chunk(delta(0, content=" the web"), web_search={"results": 3, "query": "q"}),
+    openai_chunk(delta(0, content=" done."), web_search=None),
+    openai_chunk(delta(0, "stop"), free_tier={"remaining_requests": 7}),
+    openai_chunk(choices=[], usage=SCRIPT_USAGE),
+    "[DONE]",
+]
+SCRIPTED = [
+    pytest.param(
+        REFUSAL,
+        None,
+        {"content": [""], "refusal": ["I'm sorry, but I can't help with that ✋."],
+         "calls": [0], "finish_reason": ["stop"], "extras": {}},
+        id="refusal",
+    ),
+    pytest.param(
+        CHOICES,
+        3,
+        {"content": ["A durable token stream survives", "", ""],
+         "refusal": ["", "I won't answer that.", ""], "calls": [0, 0, 1],
+         "finish_reason": ["length", "stop", "tool_calls"], "extras": {}},
+        id="n-3",
+    ),
+    pytest.param(
+        EXTRAS_SCRIPT,
+        None,
+        {"content": ["Searching the web done."], "refusal": [""], "calls": [0],
+         "finish_reason": ["stop"],
+         "extras": {"web_search": {"results": 3, "query": "q"},
+                    "free_tier": {"remaining_requests": 7}}},
+        id="extras",
+    ),
+]  # fmt: skip
+
+
+def outline(reply: Reply) -> dict[str, Any]:
+    choices = reply["choices"]
+    assert [c["index"] for c in choices] == list(range(len(choices)))
+    assert reply["usage"] == SCRIPT_USAGE
+    return {
+        "content": [c["content"] for c in choices],
+        "refusal": [c["refusal"] for c in choices],
+        "calls": [len(c["tool_calls"]) for c in choices],
+        "finish_reason": [c["finish_reason"] for c in choices],
+        "extras": reply["extras"],
+    }
+
+
 @pytest.fixture
 async def gw(
     settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
@@ -47,61 +157,108 @@ async def gw(
         yield env
 
 
-def summary(completion: ChatCompletion) -> dict[str, Any]:
-    choice = completion.choices[0]
-    calls = choice.message.tool_calls or []
+Reply = dict[str, Any]
+
+
+def choice_summary(choice: Any) -> dict[str, Any]:
+    message = choice.message
     return {
-        "role": choice.message.role,
-        "content": choice.message.content or "",
+        "index": choice.index,
+        "role": message.role,
+        "content": message.content or "",
+        "refusal": message.refusal or "",
         "tool_calls": [
-            (c.id, c.type, c.function.name, c.function.arguments)  # type: ignore[union-attr]
-            for c in calls
+            (c.id, c.type, c.function.name, c.function.arguments) for c in message.tool_calls or []
         ],
-        "usage": completion.usage.to_dict() if completion.usage else None,
         "finish_reason": choice.finish_reason,
     }
 
 
-def kwargs(mock: dict[str, Any]) -> dict[str, Any]:
+def extras_of(model: Any) -> dict[str, Any]:
+    """The provider extras a chunk or a completion carries (non-null)."""
+    extra = model.model_extra or {}
+    return {name: extra[name] for name in EXTRAS if extra.get(name) is not None}
+
+
+def summary(completion: Any, extras: dict[str, Any]) -> Reply:
+    return {
+        "choices": [choice_summary(choice) for choice in completion.choices],
+        "usage": completion.usage.to_dict() if completion.usage else None,
+        "extras": extras,
+    }
+
+
+class StreamReader:
+    """The SDK's accumulation of a stream, and the extras its chunks carried (the last
+    non-null value of each: what a client watching the chunks ends up with)."""
+
+    def __init__(self) -> None:
+        self.state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+        self.extras: dict[str, Any] = {}
+
+    def add(self, chunk: Any) -> None:
+        list(self.state.handle_chunk(chunk))
+        self.extras.update(extras_of(chunk))
+
+    def reply(self) -> Reply:
+        # the snapshot, not get_final_completion(), which raises on "length" and
+        # "content_filter" (tests/test_differential_openai.py pins that deviation)
+        return summary(self.state.current_completion_snapshot, self.extras)
+
+
+def kwargs(mock: dict[str, Any], n: int | None) -> dict[str, Any]:
+    more = {} if n is None else {"n": n}
     return {
         "model": "mock-model",
         "messages": MESSAGES,
         "tools": TOOLS,
         "extra_body": {"mock": mock},
+        **more,
     }
 
 
-async def async_call(base_url: str, api_key: str, stream: bool, mock: dict[str, Any]) -> Any:
+async def async_call(
+    base_url: str, api_key: str, stream: bool, mock: dict[str, Any], n: int | None
+) -> Reply:
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         if not stream:
-            return summary(await client.chat.completions.create(**kwargs(mock)))
-        state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+            completion = await client.chat.completions.create(**kwargs(mock, n))
+            return summary(completion, extras_of(completion))
+        reader = StreamReader()
         chunks = await client.chat.completions.create(
-            **kwargs(mock), stream=True, stream_options=USAGE
+            **kwargs(mock, n), stream=True, stream_options=USAGE
         )
         async for chunk in chunks:
-            list(state.handle_chunk(chunk))
-        return summary(state.get_final_completion())
+            reader.add(chunk)
+        return reader.reply()
 
 
-def sync_call(base_url: str, api_key: str, stream: bool, mock: dict[str, Any]) -> Any:
+def sync_call(
+    base_url: str, api_key: str, stream: bool, mock: dict[str, Any], n: int | None
+) -> Reply:
     with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         if not stream:
-            return summary(client.chat.completions.create(**kwargs(mock)))
-        state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+            completion = client.chat.completions.create(**kwargs(mock, n))
+            return summary(completion, extras_of(completion))
+        reader = StreamReader()
         for chunk in client.chat.completions.create(
-            **kwargs(mock), stream=True, stream_options=USAGE
+            **kwargs(mock, n), stream=True, stream_options=USAGE
         ):
-            list(state.handle_chunk(chunk))
-        return summary(state.get_final_completion())
+            reader.add(chunk)
+        return reader.reply()
 
 
 async def call(
-    flavour: str, base_url: str, api_key: str, stream: bool, mock: dict[str, Any]
-) -> Any:
+    flavour: str,
+    base_url: str,
+    api_key: str,
+    stream: bool,
+    mock: dict[str, Any],
+    n: int | None = None,
+) -> Reply:
     if flavour == "async":
-        return await async_call(base_url, api_key, stream, mock)
-    return await asyncio.to_thread(sync_call, base_url, api_key, stream, mock)
+        return await async_call(base_url, api_key, stream, mock, n)
+    return await asyncio.to_thread(sync_call, base_url, api_key, stream, mock, n)
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])
@@ -113,8 +270,27 @@ async def test_the_sdk_gets_the_same_reply_through_the_gateway(
     direct = await call(flavour, gw.settings.upstream_url, "unused", stream, mock)
     through = await call(flavour, f"{gw.url}/v1", KEY, stream, mock)
     assert through == direct
-    assert direct["content"] and direct["usage"]["completion_tokens"] > 0
-    assert len(direct["tool_calls"]) == mock.get("tool_calls", 0)
+    [choice] = direct["choices"]
+    assert choice["content"] and direct["usage"]["completion_tokens"] > 0
+    assert len(choice["tool_calls"]) == mock.get("tool_calls", 0)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
+@pytest.mark.parametrize(("script", "n", "expected"), SCRIPTED)
+async def test_refusals_choices_and_extras_arrive_as_from_the_upstream(
+    gw: GatewayEnv,
+    flavour: str,
+    stream: bool,
+    script: list[str],
+    n: int | None,
+    expected: dict[str, Any],
+) -> None:
+    mock = {"script": script}
+    direct = await call(flavour, gw.settings.upstream_url, "unused", True, mock, n)
+    through = await call(flavour, f"{gw.url}/v1", KEY, stream, mock, n)
+    assert through == direct
+    assert outline(direct) == expected  # the SDK reads the script as meant: not vacuous
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
 from tests.gateway_env import KEY, GatewayEnv, running_gateway
+from tests.test_gateway_openai import SCRIPT_USAGE, delta, openai_chunk
 from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 from worker.settings import Settings
 
@@ -101,10 +102,51 @@ async def test_the_page_streams_the_reply_and_a_reload_resumes_it(
     await page.close()
 
 
-async def test_the_page_shows_a_refusal(gw: GatewayEnv, browser: Browser) -> None:
+async def test_the_page_shows_why_a_request_was_refused(gw: GatewayEnv, browser: Browser) -> None:
     page = await browser.new_page()
     await page.goto(f"{gw.url}/#key=sk-wrong&model=mock-model")
     await page.fill("#prompt", "hello")
     await page.click("#send")
     await expect(page.locator("#status")).to_have_text("error: invalid API key")
     await page.close()
+
+
+REFUSAL_WORDS = [f" word{i}" for i in range(30)]
+REFUSING = MockConfig(
+    rate=20.0,
+    script=(
+        openai_chunk(delta(0, role="assistant", content=None, refusal="")),
+        openai_chunk(delta(0, refusal="I can't help with that:")),
+        *(openai_chunk(delta(0, refusal=word)) for word in REFUSAL_WORDS),
+        openai_chunk(delta(0, "stop")),
+        openai_chunk(choices=[], usage=SCRIPT_USAGE),
+        "[DONE]",
+    ),
+)
+
+
+async def test_the_page_shows_the_models_refusal_and_a_reload_resumes_it(
+    settings: Settings, redis: Redis, browser: Browser
+) -> None:
+    """OpenAI streams a refusal in fragments, like content: the page renders it apart
+    from the reply, and a reload mid-refusal resumes without repeating it."""
+    app = MockUpstream(REFUSING)
+    async with serve_mock(app=app) as url, running_gateway(settings, redis, (app, url)) as env:
+        page = await browser.new_page()
+        await page.goto(f"{env.url}/#key={KEY}&model=mock-model")
+        await page.fill("#prompt", "Something it will not do")
+        await page.click("#send")
+        refusal = page.locator("#refusal")
+        await expect(refusal).to_have_text(re.compile("^I can't help with that: word0 word1"))
+        await expect(refusal).to_be_visible()
+        before = await text(page, "#refusal")
+        job_id = (await text(page, "#status")).split("job ")[-1].rstrip(")")
+        assert (await env.client.get(job_id)).status is JobStatus.RUNNING  # mid-refusal
+        await page.reload()
+        assert (await text(page, "#refusal")).startswith(before)  # kept across the reload
+        await expect(page.locator("#status")).to_have_text("done (stop)", timeout=30_000)
+        record = await env.client.get(job_id)
+        assert await text(page, "#refusal") == record.refusal
+        assert record.refusal == "I can't help with that:" + "".join(REFUSAL_WORDS)
+        assert await text(page, "#reply") == "" and record.content == ""
+        await page.close()

@@ -10,6 +10,8 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, MutableMapping
 from typing import Any
 
+import httpx2
+import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,10 +19,10 @@ from pydantic import SecretStr
 from redis.asyncio import Redis
 
 from schemas.events import StreamEvent
-from schemas.jobs import JobRecord
+from schemas.jobs import EXTRAS, JobRecord
 from tests.gateway_env import parse_frames
-from tests.support import eventually, final_tool_calls, merge_deltas
-from tests.test_differential_openai import sdk_summary
+from tests.support import Merged, eventually, final_tool_calls, merge_deltas
+from tests.test_gateway_openai import Reply, StreamReader
 from worker.errors import ConfigError
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKeys, bearer
@@ -28,6 +30,7 @@ from worker.gateway.hub import EventHub, JobFeed, ReadCommand, Row
 from worker.gateway.limits import LimitExceeded, StreamSlots
 from worker.gateway.responses import EventStream
 from worker.keys import Keys
+from worker.message import Delta
 from worker.tasks import cancel_and_wait
 
 CTX = fmt.ChunkContext("job-1", 1751299200, "some/model", include_usage=True)
@@ -60,6 +63,7 @@ def test_a_delta_entry_is_one_chunk_and_each_field_maps() -> None:
     data = {
         "role": "assistant",
         "content": "Hi",
+        "refusal": "I can't",
         "reasoning_details": [{"type": "reasoning.text", "text": "so", "index": 0}],
         "tool_calls": [
             {"index": 0, "id": "c1", "type": "function", "function": {"name": "f"}},
@@ -84,12 +88,52 @@ def test_a_delta_entry_is_one_chunk_and_each_field_maps() -> None:
 
 
 def test_delta_keys_without_a_mapping_pass_through() -> None:
-    chunk = payloads("delta", {"refusal": "no", "annotations": [1]})[0]
-    assert chunk["choices"][0]["delta"] == {"refusal": "no", "annotations": [1]}
+    chunk = payloads("delta", {"annotations": [1], "choices": [{"index": 1, "audio": {}}]})[0]
+    assert chunk["choices"] == [
+        {"index": 0, "delta": {"annotations": [1]}, "finish_reason": None},
+        {"index": 1, "delta": {"audio": {}}, "finish_reason": None},
+    ]
+
+
+def _open(index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "finish_reason": None}
+
+
+def test_the_other_choices_of_a_delta_entry_are_in_the_same_chunk_by_index() -> None:
+    """n > 1: one chunk per entry (OpenAI's ``choices`` may hold several), so the entry's
+    id resumes after all of it; each choice's fields map as choice 0's do."""
+    call = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f"}}
+    data = {
+        "content": "A",
+        "choices": [
+            {"index": 1, "role": "assistant", "refusal": "no"},
+            {"index": 2, "tool_calls": [call]},
+        ],
+    }
+    announced = {**call, "function": {"name": "f", "arguments": ""}}
+    assert payloads("delta", data) == [
+        envelope(
+            [
+                {"index": 0, "delta": {"content": "A"}, "finish_reason": None},
+                {
+                    "index": 1,
+                    "delta": {"role": "assistant", "refusal": "no"},
+                    "finish_reason": None,
+                },
+                {"index": 2, "delta": {"tool_calls": [announced]}, "finish_reason": None},
+            ]
+        )
+    ]
+    only_others = payloads("delta", {"choices": [{"index": 2, "content": "B"}]})[0]
+    assert only_others["choices"] == [
+        {"index": 2, "delta": {"content": "B"}, "finish_reason": None}
+    ]
+    frames = fmt.sse_frames(CTX, [row("5-0", "delta", data)])
+    assert [e.id for e in parse_frames(frames)] == ["5-0"]
 
 
 def test_the_done_entry_is_the_finish_chunk_then_usage_when_asked() -> None:
-    data = {"finish_reason": "stop", "usage": USAGE, "web_search": {"q": 1}}
+    data = {"finish_reason": "stop", "usage": USAGE, "web_search": {"q": 1}, "free_tier": None}
     finish = envelope([{"index": 0, "delta": {}, "finish_reason": "stop"}], web_search={"q": 1})
     assert payloads("done", data) == [finish, envelope([], usage=USAGE)]
     without = fmt.ChunkContext("job-1", 1751299200, "some/model", include_usage=False)
@@ -97,6 +141,25 @@ def test_the_done_entry_is_the_finish_chunk_then_usage_when_asked() -> None:
     assert len(payloads("done", {"finish_reason": "stop", "usage": None})) == 1
     frames = fmt.sse_frames(CTX, [row("5-0", "done", data)])
     assert frames.endswith(b"data: [DONE]\n\n") and frames.count(b"id: ") == 1
+
+
+def test_the_finish_chunk_has_every_choices_finish_reason_and_the_extras() -> None:
+    data = {
+        "finish_reason": "stop",
+        "usage": USAGE,
+        "free_tier": False,  # a value, not an absence
+        "choices": [{"index": 1, "finish_reason": "length"}, {"index": 2, "finish_reason": None}],
+    }
+    finish, usage = payloads("done", data)
+    assert finish == envelope(
+        [
+            {"index": 0, "delta": {}, "finish_reason": "stop"},
+            {"index": 1, "delta": {}, "finish_reason": "length"},
+            {"index": 2, "delta": {}, "finish_reason": None},
+        ],
+        free_tier=False,
+    )
+    assert usage == envelope([], usage=USAGE)
 
 
 def test_error_and_cancelled_entries_are_openai_error_chunks() -> None:
@@ -110,6 +173,25 @@ def test_error_and_cancelled_entries_are_openai_error_chunks() -> None:
     [cancelled] = payloads("cancelled", {})
     assert cancelled["error"]["code"] == "cancelled"
     assert b"[DONE]" not in fmt.sse_frames(CTX, [row("5-0", "error", {"error": error})])
+
+
+def test_an_error_entry_ends_every_choice_and_keeps_the_extras() -> None:
+    data = {
+        "error": {"code": "truncated", "message": "cut"},
+        "finish_reason": None,
+        "usage": None,
+        "web_search": {"results": 2},
+        "choices": [{"index": 1, "finish_reason": "stop"}],
+    }
+    [failed] = payloads("error", data)
+    assert [(c["index"], c["finish_reason"]) for c in failed["choices"]] == [
+        (0, "error"),
+        (1, "error"),
+    ]
+    assert failed["web_search"] == {"results": 2} and failed["error"]["code"] == "truncated"
+    assert "usage" not in failed
+    [cancelled] = payloads("cancelled", {"usage": USAGE, "free_tier": {"left": 0}})
+    assert cancelled["free_tier"] == {"left": 0} and cancelled["usage"] == USAGE
 
 
 def test_a_reset_is_announced_in_an_extension_field() -> None:
@@ -144,12 +226,39 @@ def test_a_record_becomes_a_chat_completion() -> None:
     assert body["choices"] == [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "message": {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls},
             "finish_reason": "tool_calls",
         }
     ]
     assert body["model"] == "upstream/model" and body["free_tier"] == {"left": 3}
     assert body["usage"] == USAGE and body["object"] == "chat.completion"
+    assert "web_search" not in body
+
+
+def test_a_record_with_other_choices_and_a_refusal_becomes_every_choice() -> None:
+    reasoning = [{"type": "reasoning.text", "text": "hm", "index": 0}]
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    other = {"role": "assistant", "content": "", "refusal": "", "reasoning": [], "tool_calls": []}
+    record = JobRecord.model_validate(
+        {"id": "job-1", "status": "succeeded", "content": "", "refusal": "I can't",
+         "finish_reason": "stop", "web_search": {"results": 0},
+         "choices": [
+             {**other, "index": 1, "content": "Sure", "reasoning": reasoning,
+              "finish_reason": "length"},
+             {**other, "index": 2, "tool_calls": calls, "finish_reason": "tool_calls"},
+             {**other, "index": 3, "finish_reason": "stop"},
+         ]}
+    )  # fmt: skip
+    body = fmt.completion(CTX, record)
+    assert [(c["index"], c["finish_reason"], c["message"]) for c in body["choices"]] == [
+        (0, "stop", {"role": "assistant", "content": None, "refusal": "I can't"}),
+        (1, "length", {"role": "assistant", "content": "Sure", "refusal": None,
+                       "reasoning_details": reasoning}),
+        (2, "tool_calls", {"role": "assistant", "content": None, "refusal": None,
+                           "tool_calls": calls}),
+        (3, "stop", {"role": "assistant", "content": "", "refusal": None}),
+    ]  # fmt: skip
+    assert body["web_search"] == {"results": 0} and "free_tier" not in body
 
 
 def test_native_frames_are_the_decoded_entries() -> None:
@@ -161,25 +270,28 @@ def test_native_frames_are_the_decoded_entries() -> None:
 
 
 TEXT = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=6)
+EXTRA_VALUES = st.one_of(st.none(), st.just(False), st.dictionaries(st.sampled_from("ab"), TEXT))
 
 
-@st.composite
-def delta_entries(draw: st.DrawFn) -> list[Row]:
-    """A job's delta entries as a worker writes them (any coalescing), then ``done``.
-    Calls start in index order, as the worker resolves them (the SDK relies on it)."""
-    started = 0
-    rows: list[Row] = []
-    for i in range(draw(st.integers(1, 10))):
-        data: dict[str, Any] = {"role": "assistant"} if i == 0 else {}
-        if draw(st.booleans()):
-            data["content"] = draw(TEXT)
+class _Choice:
+    """What a generated stream has sent of one choice so far."""
+
+    def __init__(self) -> None:
+        self.calls = 0  # calls started
+
+    def fields(self, draw: st.DrawFn, first: bool) -> dict[str, Any]:
+        """The choice's keys of one delta entry (role on its first; the rest drawn)."""
+        data: dict[str, Any] = {"role": "assistant"} if first else {}
+        for key in ("content", "refusal"):
+            if draw(st.booleans()):
+                data[key] = draw(TEXT)
         fragments = []
         for index in draw(st.lists(st.integers(0, 2), max_size=2, unique=True)):
-            if index > started:
+            if index > self.calls:
                 continue
             fragment: dict[str, Any] = {"index": index}
-            if index == started:
-                started += 1
+            if index == self.calls:
+                self.calls += 1
                 fragment |= {"id": f"call_{index}", "type": "function"}
                 fragment["function"] = {"name": f"tool_{index}"}
             if draw(st.booleans()):
@@ -188,28 +300,96 @@ def delta_entries(draw: st.DrawFn) -> list[Row]:
                 fragments.append(fragment)
         if fragments:
             data["tool_calls"] = fragments
-        rows.append(row(f"{i + 1}-0", "delta", data))
-    finish = draw(st.sampled_from(["stop", "tool_calls"]))  # the SDK's helper refuses "length"
-    usage = draw(st.sampled_from([None, USAGE]))
-    rows.append(row("99-0", "done", {"finish_reason": finish, "usage": usage}))
+        return data
+
+
+@st.composite
+def delta_entries(draw: st.DrawFn) -> list[Row]:
+    """A job's delta entries as a worker writes them (any coalescing), then ``done``, for
+    n = 1 to 3. Choice k first appears once choice k - 1 has, and a choice's calls start
+    in index order, as providers send them (the SDK places choices and calls by position)."""
+    choices = [_Choice() for _ in range(draw(st.integers(1, 3)))]
+    seen, rows = 0, []
+    for i in range(draw(st.integers(1, 10))):
+        data: dict[str, Any] = {}
+        for index in sorted(draw(st.sets(st.integers(0, len(choices) - 1), min_size=1))):
+            if index > seen:
+                break
+            first = index == seen
+            fields = choices[index].fields(draw, first)
+            if first:
+                seen += 1
+            if index == 0:
+                data.update(fields)
+            elif fields:
+                data.setdefault("choices", []).append({"index": index, **fields})
+        if data:  # the worker publishes no empty delta
+            rows.append(row(f"{i + 1}-0", "delta", data))
+    reasons = st.sampled_from(["stop", "tool_calls", "length", "content_filter"])
+    done: dict[str, Any] = {
+        "finish_reason": draw(reasons),
+        "usage": draw(st.none() | st.just(USAGE)),
+    }
+    done |= {name: draw(EXTRA_VALUES) for name in EXTRAS}
+    if seen > 1:
+        done["choices"] = [{"index": i, "finish_reason": draw(reasons)} for i in range(1, seen)]
+    rows.append(row("99-0", "done", done))
     return rows
+
+
+def sdk_read(body: bytes) -> Reply:
+    """The official SDK's ``stream=True`` over ``body``: its accumulation of the chunks and
+    the extras they carried."""
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    reader = StreamReader()
+    http = httpx2.Client(transport=httpx2.MockTransport(handler))
+    with openai.OpenAI(
+        api_key="sk-test", base_url="http://gateway.test/v1", http_client=http, max_retries=0
+    ) as client:
+        for chunk in client.chat.completions.create(
+            model="some/model", messages=[{"role": "user", "content": "hi"}], stream=True
+        ):
+            reader.add(chunk)
+    return reader.reply()
+
+
+def merged_reply(rows: list[Row]) -> Reply:
+    """What the entries merge to (``Delta.merge``) and the terminal entry says, in the
+    shape of ``tests.test_gateway_openai.summary``."""
+    merged = merge_deltas([StreamEvent.from_entry(i, f) for i, f in rows])
+    done = json.loads(rows[-1][1]["data"])
+    outputs = [merged, *(Merged(Delta(other)) for other in merged.data.get("choices", []))]
+    reasons = [done["finish_reason"], *(c["finish_reason"] for c in done.get("choices", []))]
+    return {
+        "choices": [
+            {
+                "index": index,
+                "role": output.role,
+                "content": output.content,
+                "refusal": output.refusal,
+                "tool_calls": [
+                    (c["id"], c["type"], c["function"]["name"], c["function"]["arguments"])
+                    for c in final_tool_calls(output)
+                ],
+                "finish_reason": reason,
+            }
+            for index, (output, reason) in enumerate(zip(outputs, reasons, strict=True))
+        ],
+        "usage": done["usage"],
+        "extras": {name: done[name] for name in EXTRAS if done.get(name) is not None},
+    }
 
 
 @settings(max_examples=150, deadline=None)
 @given(delta_entries())
 def test_the_sdk_rebuilds_what_the_entries_merge_to(rows: list[Row]) -> None:
-    """The official SDK's stream accumulation over our frames equals our own merge."""
-    body = fmt.sse_frames(CTX, rows)
-    events = [StreamEvent.from_entry(i, f) for i, f in rows]
-    merged = merge_deltas(events)
-    done = json.loads(rows[-1][1]["data"])
-    sdk = sdk_summary(body)
-    assert sdk["content"] == merged.content
-    assert sdk["tool_calls"] == [
-        (c["id"], c["function"]["name"], c["function"].get("arguments", ""))
-        for c in final_tool_calls(merged)
-    ]
-    assert (sdk["usage"], sdk["finish_reason"]) == (done["usage"], done["finish_reason"])
+    """The official SDK's stream accumulation over our frames equals our own merge: every
+    choice's role, content, refusal, tool calls and finish_reason, the usage, and the
+    extras the SDK's chunks carry."""
+    assert sdk_read(fmt.sse_frames(CTX, rows)) == merged_reply(rows)
 
 
 # -- API keys and slots ------------------------------------------------------------------

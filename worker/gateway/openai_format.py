@@ -7,16 +7,21 @@ entry, a few events written together); the first carries ``id: <entry id>``, the
 cursor. The mapping, entry by entry:
 
 =========== =============================================================================
-``delta``   one chunk; each delta key maps to the chunk's ``choices[i].delta`` through
-            ``DELTA_FIELDS`` (unlisted keys pass through unchanged)
+``delta``   one chunk: the top-level keys are ``choices[0].delta``, each entry of the
+            delta's ``choices`` (n > 1) is ``choices[i].delta`` of its ``index``; each key
+            maps through ``DELTA_FIELDS`` (unlisted keys pass through unchanged)
 ``reset``   a chunk with ``choices: []`` and ``"chatstream": {"reset": {...}}``: the
             reply starts over; text shown so far is void (OpenAI has no such event)
-``done``    the finish chunk (``finish_reason``, plus ``TERMINAL_EXTRAS``), the usage
-            chunk (when asked for and known), ``data: [DONE]``
-``error``   OpenAI's mid-stream error: a chunk with a top-level ``error`` object and
-            ``finish_reason: "error"``; no ``[DONE]``
+``done``    the finish chunk (every choice's ``finish_reason``, plus ``TERMINAL_EXTRAS``),
+            the usage chunk (when asked for and known), ``data: [DONE]``
+``error``   OpenAI's mid-stream error: a chunk with a top-level ``error`` object (and
+            ``TERMINAL_EXTRAS``) and ``finish_reason: "error"`` for every choice; no
+            ``[DONE]``
 ``cancelled`` the same error chunk with the code ``cancelled``
 =========== =============================================================================
+
+One entry is one chunk however many choices it carries (OpenAI's ``choices`` may hold
+several with n > 1), so an entry's id resumes after all of it.
 
 ``completion()`` turns a finished record into a ``chat.completion`` object, and
 ``job_error_status()`` gives the HTTP status a failed job is answered with.
@@ -29,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.jobs import JobRecord
+from schemas.jobs import EXTRAS, JobRecord
 
 Row = tuple[str, dict[str, str]]  # a stream entry as XRANGE / XREAD return it
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -59,24 +64,44 @@ def _with_arguments(fragment: dict[str, Any]) -> dict[str, Any]:
 DELTA_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "role": _same("role"),
     "content": _same("content"),
+    "refusal": _same("refusal"),
     "reasoning_details": _same("reasoning_details"),
     "tool_calls": _tool_calls,
 }
-# The terminal entry's keys copied to the top level of the finish chunk (and of a
-# chat.completion from the record's fields of the same names).
-TERMINAL_EXTRAS: tuple[str, ...] = ("web_search", "free_tier")
-
-
-def choice_index(data: dict[str, Any]) -> int:
-    """The choice a delta belongs to. Deltas are of choice 0 today (n = 1)."""
-    return 0
+# What structures a delta entry rather than being a field of a choice's delta: the other
+# choices (n > 1) and, inside each of them, its index.
+CHOICE_KEYS = frozenset({"choices", "index"})
+# The terminal entry's keys copied to the top level of its chunk (and of a chat.completion
+# from the record's fields of the same names).
+TERMINAL_EXTRAS: tuple[str, ...] = EXTRAS
 
 
 def openai_delta(data: dict[str, Any]) -> dict[str, Any]:
+    """One choice's fields of a delta entry as OpenAI's ``delta``."""
     delta: dict[str, Any] = {}
     for name, value in data.items():
-        delta.update(DELTA_FIELDS.get(name, _same(name))(value))
+        if name not in CHOICE_KEYS:
+            delta.update(DELTA_FIELDS.get(name, _same(name))(value))
     return delta
+
+
+def delta_choices(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A delta entry's chunk choices: choice 0 (the top level) when it added anything,
+    then the other choices in the order the entry has them (by index)."""
+    others: list[dict[str, Any]] = data.get("choices") or []
+    first = openai_delta(data)
+    choices = [_choice(0, first, None)] if first or not others else []
+    choices.extend(_choice(other["index"], openai_delta(other), None) for other in others)
+    return choices
+
+
+def choice_indexes(data: dict[str, Any]) -> list[int]:
+    """The choices a terminal entry speaks of: 0, and the others' (n > 1)."""
+    return [0, *(other["index"] for other in data.get("choices") or [])]
+
+
+def terminal_extras(data: dict[str, Any]) -> dict[str, Any]:
+    return {name: data[name] for name in TERMINAL_EXTRAS if data.get(name) is not None}
 
 
 # -- chunks -------------------------------------------------------------------------------
@@ -113,20 +138,27 @@ def _choice(index: int, delta: dict[str, Any], finish_reason: str | None) -> dic
 def entry_payloads(ctx: ChunkContext, kind: str, data: dict[str, Any]) -> list[dict[str, Any]]:
     """The chunk objects of one entry; a ``done`` entry is followed by ``[DONE]`` (not here)."""
     if kind == "delta":
-        return [ctx.chunk([_choice(choice_index(data), openai_delta(data), None)])]
+        return [ctx.chunk(delta_choices(data))]
     if kind == "reset":
         return [ctx.chunk([], chatstream={"reset": data})]
     if kind == "done":
-        extras = {name: data[name] for name in TERMINAL_EXTRAS if data.get(name) is not None}
-        chunks = [ctx.chunk([_choice(0, {}, data.get("finish_reason"))], **extras)]
-        if ctx.include_usage and data.get("usage") is not None:
-            chunks.append(ctx.chunk([], usage=data["usage"]))
-        return chunks
+        return _done_chunks(ctx, data)
     error = data.get("error") if kind == "error" else CANCELLED_ERROR
-    top: dict[str, Any] = {"error": openai_error_object(error)}
+    top: dict[str, Any] = {"error": openai_error_object(error), **terminal_extras(data)}
     if data.get("usage") is not None:
         top["usage"] = data["usage"]
-    return [ctx.chunk([_choice(0, {}, "error")], **top)]
+    return [ctx.chunk([_choice(i, {}, "error") for i in choice_indexes(data)], **top)]
+
+
+def _done_chunks(ctx: ChunkContext, data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The finish chunk (every choice's finish_reason, the extras), then the usage chunk."""
+    others = data.get("choices") or []
+    finish = [_choice(0, {}, data.get("finish_reason"))]
+    finish.extend(_choice(other["index"], {}, other.get("finish_reason")) for other in others)
+    chunks = [ctx.chunk(finish, **terminal_extras(data))]
+    if ctx.include_usage and data.get("usage") is not None:
+        chunks.append(ctx.chunk([], usage=data["usage"]))
+    return chunks
 
 
 CANCELLED_ERROR = {"code": "cancelled", "message": "the job was cancelled"}
@@ -202,24 +234,38 @@ def openai_error_object(error: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def completion(ctx: ChunkContext, record: JobRecord) -> dict[str, Any]:
-    """A succeeded job's record as a ``chat.completion`` object."""
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": record.content if record.content or not record.tool_calls else None,
-    }
-    if record.tool_calls:
-        message["tool_calls"] = record.tool_calls
-    if record.reasoning:
-        message["reasoning_details"] = record.reasoning
+    """A succeeded job's record as a ``chat.completion`` object: choice 0 from the record's
+    top-level fields, the others (n > 1) from its ``choices``."""
+    first = {"index": 0, **record.model_dump(include=set(CHOICE_OUTPUT))}
     body: dict[str, Any] = {
         "id": ctx.completion_id,
         "object": "chat.completion",
         "created": ctx.created,
         "model": record.model or ctx.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": record.finish_reason}],
+        "choices": [_completion_choice(output) for output in (first, *record.choices)],
         "usage": record.usage,
     }
-    for name in TERMINAL_EXTRAS:
-        if getattr(record, name, None) is not None:
-            body[name] = getattr(record, name)
+    extras = record.model_dump(include=set(TERMINAL_EXTRAS))
+    body.update(terminal_extras(extras))
     return body
+
+
+# a choice's output in the record (choice 0's at the top level, the others' in ``choices``)
+CHOICE_OUTPUT = ("content", "refusal", "reasoning", "tool_calls", "finish_reason")
+
+
+def _completion_choice(output: dict[str, Any]) -> dict[str, Any]:
+    """One choice of a ``chat.completion``: its ``message`` as OpenAI writes it (``content``
+    null when the choice called tools or refused, ``refusal`` null unless it refused)."""
+    content, refusal = output.get("content") or "", output.get("refusal") or ""
+    calls = output.get("tool_calls") or []
+    message: dict[str, Any] = {
+        "role": output.get("role") or "assistant",
+        "content": content or (None if calls or refusal else ""),
+        "refusal": refusal or None,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    if output.get("reasoning"):
+        message["reasoning_details"] = output["reasoning"]
+    return {"index": output["index"], "message": message, "finish_reason": output["finish_reason"]}

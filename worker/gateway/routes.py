@@ -74,12 +74,19 @@ def too_large(limit: int) -> GatewayError:
     )
 
 
+# choices per request (n): OpenAI's own limit, so what OpenAI accepts the gateway accepts
+MAX_CHOICES = 128
+
+
 def check_request(body: dict[str, Any]) -> None:
     """What the gateway itself relies on; the rest is validated at enqueue."""
     if not isinstance(body.get("stream", False), bool):
         raise GatewayError(400, "stream must be true or false", code="invalid_request")
-    if body.get("n", 1) != 1:
-        raise GatewayError(400, "n must be 1: one choice per request", code="invalid_request")
+    n = body.get("n")
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):
+        raise GatewayError(
+            400, f"n must be an integer from 1 to {MAX_CHOICES}", code="invalid_request"
+        )
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise GatewayError(400, "stream_options must be an object", code="invalid_request")

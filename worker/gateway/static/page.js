@@ -1,7 +1,8 @@
 "use strict";
 // chatstream's page: create a job, read its events with EventSource, resume after a reload.
-// sessionStorage keeps {key, model, prompt, job, events, last, text, finished, status}:
-// `last` is the id of the last event applied to `text`, so a reload resumes right after it.
+// sessionStorage keeps {key, model, prompt, job, events, last, text, refusal, finished,
+// status}: `last` is the id of the last event applied to `text` and `refusal` (the model's
+// refusal, streamed in fragments like the text), so a reload resumes right after it.
 const STORE = "chatstream";
 const $ = (id) => document.getElementById(id);
 let state = load();
@@ -29,6 +30,8 @@ function takeHash() {
 
 function render() {
   $("reply").textContent = state.text || "";
+  $("refusal").textContent = state.refusal || "";
+  $("refusal").hidden = !state.refusal;
   $("status").textContent = state.status || "";
   const running = Boolean(state.job && !state.finished);
   $("send").disabled = running;
@@ -63,7 +66,8 @@ async function send(event) {
     return;
   }
   Object.assign(state, {
-    job: body.id, events: body.events_url, last: "0-0", text: "", finished: false,
+    job: body.id, events: body.events_url, last: "0-0", text: "", refusal: "", finishReason: "",
+    finished: false,
     status: "queued (job " + body.id + ")",
   });
   save();
@@ -93,9 +97,15 @@ function receive(event) {
     return;
   }
   const chunk = JSON.parse(event.data);
-  if (chunk.chatstream && chunk.chatstream.reset) state.text = "";  // the reply starts over
+  if (chunk.chatstream && chunk.chatstream.reset) {  // the reply starts over
+    state.text = "";
+    state.refusal = "";
+  }
   for (const choice of chunk.choices || []) {
-    if (choice.delta && choice.delta.content) state.text += choice.delta.content;
+    if (choice.index !== 0) continue;  // the page asks for one choice
+    const delta = choice.delta || {};
+    if (delta.content) state.text += delta.content;
+    if (delta.refusal) state.refusal = (state.refusal || "") + delta.refusal;
     if (choice.finish_reason) state.finishReason = choice.finish_reason;
   }
   if (event.lastEventId) state.last = event.lastEventId;
