@@ -212,6 +212,30 @@ async def test_a_finished_job_resumes_with_exactly_the_rest(gw: GatewayEnv, how:
     assert rest[-1].data == "[DONE]"
 
 
+async def test_a_client_cut_off_inside_the_terminal_entry_gets_all_of_it_again(
+    gw: GatewayEnv,
+) -> None:
+    """The done entry is three events (finish chunk, usage chunk, [DONE]); its id rides on
+    the last. A client that got only the finish chunk resumes before the entry and gets
+    the usage chunk and [DONE] (the finish chunk again), never a token twice."""
+    request = chat("hi", tokens=4)
+    async with gw.http() as http:
+        job_id = await create_job(http, request)
+        await gw.client.result(job_id, timeout=10)
+        async with http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+            whole = await collect(response)
+        finish = next(i for i, e in enumerate(whole) if '"finish_reason":"stop"' in e.data)
+        seen = whole[: finish + 1]  # cut off right after the finish chunk
+        headers = {"last-event-id": seen[-1].id}
+        async with http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
+            rest = await collect(response)
+    assert seen[-1].id == (await entry_ids(gw, job_id, "delta"))[-1]  # before the done entry
+    assert [e.data for e in rest] == [e.data for e in whole[finish:]]
+    assert [c["usage"] for c in chunks_of(rest) if c.get("usage")]
+    assert rest[-1].data == "[DONE]" and rest[-1].id == (await entry_ids(gw, job_id))[-1]
+    assert content_of(chunks_of(seen + rest)) == expected_reply(request, MOCK)
+
+
 async def test_resuming_after_the_terminal_entry(gw: GatewayEnv) -> None:
     async with gw.http() as http:
         done = await create_job(http, chat("hi", tokens=3))

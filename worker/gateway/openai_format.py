@@ -3,8 +3,10 @@
 A job's events stream (docs/events.md) becomes the SSE body OpenAI sends for
 ``"stream": true``: ``chat.completion.chunk`` objects, the usage chunk when the request
 asked for it, ``data: [DONE]``. Each Redis entry is one SSE event (or, for the terminal
-entry, a few events written together); the first carries ``id: <entry id>``, the resume
-cursor. The mapping, entry by entry:
+entry, a few events written together); the last carries ``id: <entry id>``, the resume
+cursor, so a client cut off between a terminal entry's events gets them all again (a
+finish chunk twice, never a token twice) rather than losing its usage chunk and
+``[DONE]``. The mapping, entry by entry:
 
 =========== =============================================================================
 ``delta``   one chunk: the top-level keys are ``choices[0].delta``, each entry of the
@@ -170,10 +172,13 @@ def sse_frames(ctx: ChunkContext, rows: Iterable[Row]) -> bytes:
     for entry_id, fields in rows:
         kind = fields.get("type", "")
         payloads = entry_payloads(ctx, kind, json.loads(fields.get("data") or "{}"))
-        out.append(b"id: " + entry_id.encode() + b"\n")
-        out.extend(b"data: " + _dumps(payload).encode() + b"\n\n" for payload in payloads)
+        frames = [b"data: " + _dumps(payload).encode() + b"\n\n" for payload in payloads]
         if kind == "done":
-            out.append(DONE_FRAME)
+            frames.append(DONE_FRAME)
+        # the entry's id rides on its last event: a client cut off inside an entry's events
+        # resumes before the entry and gets all of them again (none lost)
+        out.extend(frames[:-1])
+        out.append(b"id: " + entry_id.encode() + b"\n" + (frames[-1] if frames else b"\n"))
     return b"".join(out)
 
 
