@@ -40,6 +40,9 @@ from worker.client import Client, redis_from_settings
 from worker.keys import GROUP, Keys
 from worker.settings import Settings
 
+# one at a time on one test process: their workers' leases and heartbeats run on real clocks
+pytestmark = pytest.mark.xdist_group("worker-processes")
+
 # -- workers killed -----------------------------------------------------------------------
 
 JOBS = 1000

@@ -36,6 +36,9 @@ from worker.keys import Keys
 from worker.runner import Worker
 from worker.settings import Settings
 
+# one at a time on one test process: their workers' leases and heartbeats run on real clocks
+pytestmark = pytest.mark.xdist_group("worker-processes")
+
 # -- maxmemory: Redis refuses some commands of a pipeline -----------------------------------
 
 
