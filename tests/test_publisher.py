@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -59,11 +60,15 @@ class Refusing(Records):
 
 
 @pytest.fixture
-async def setup(settings: Settings, redis: Redis) -> tuple[Refusing, Publisher, Client]:
+async def setup(
+    settings: Settings, redis: Redis
+) -> AsyncIterator[tuple[Refusing, Publisher, Client]]:
     keys = Keys(settings.prefix)
     records = Refusing(redis, keys)
     await records.load_scripts()
-    return records, Publisher(redis, records), Client.from_settings(settings, redis)
+    publisher = Publisher(redis, records)
+    yield records, publisher, Client.from_settings(settings, redis)
+    await publisher.stop()  # closes its sender's connection
 
 
 async def started(records: Records, client: Client) -> tuple[str, int]:

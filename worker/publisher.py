@@ -35,7 +35,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from worker.accumulator import Delta
-from worker.batch import BatchSender, Command, PipelineSender
+from worker.batch import BatchSender, Command, default_sender
 from worker.records import ALREADY, NOT_YET, STALE, WRITTEN, Records, dumps
 from worker.retry import REDIS_WAIT, pause
 from worker.tasks import cancel_and_wait
@@ -43,6 +43,7 @@ from worker.tasks import cancel_and_wait
 log = logging.getLogger("chatstream.publisher")
 
 WARN_EVERY = 10.0  # seconds between warnings while Redis keeps refusing writes
+ROUND_TRIP_EVERY = 0.002  # under load, at most one round trip per this many seconds
 DELTA, TERMINAL = "delta", "terminal"
 
 
@@ -119,9 +120,12 @@ class Publisher:
         max_batch: int = 1000,
         on_batch: BatchObserver | None = None,
         sender: BatchSender | None = None,
+        round_trip_every: float = ROUND_TRIP_EVERY,
     ) -> None:
         self._records = records
-        self._sender = sender if sender is not None else PipelineSender(redis)
+        self._sender = sender if sender is not None else default_sender(redis)
+        self._round_trip_every = round_trip_every
+        self._not_before = 0.0  # loop time before which no round trip begins
         self._max_batch = max_batch
         self._on_batch = on_batch
         self._dirty: dict[tuple[str, int], JobStream] = {}
@@ -162,10 +166,13 @@ class Publisher:
         if self._task is not None:
             await cancel_and_wait([self._task])
             self._task = None
+        await self._sender.aclose()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             batch = await self._next_batch()
+            self._not_before = loop.time() + self._round_trip_every
             try:
                 await self._write(batch)
             except RedisError as exc:  # the round trip failed as a whole (connection)
@@ -175,11 +182,18 @@ class Publisher:
                 self._retry_later(batch, exc)
 
     async def _next_batch(self) -> list[JobStream]:
-        """The jobs due for a round trip (at most ``max_batch``), waiting for one if none."""
+        """The jobs due for a round trip (at most ``max_batch``), waiting for one if none.
+
+        Under load, round trips begin at most every ``round_trip_every`` seconds: the
+        deltas that arrive meanwhile coalesce per job and share the round trip (each costs
+        a write, a read and a wake-up). At low load a delta still goes out at once."""
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
             now, batch, next_due = loop.time(), [], None
+            if self._dirty and now < self._not_before:
+                await asyncio.sleep(self._not_before - now)
+                continue
             for key, stream in list(self._dirty.items()):
                 if stream.due <= now:
                     batch.append(self._dirty.pop(key))
