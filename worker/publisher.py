@@ -130,6 +130,7 @@ class Publisher:
         self._on_batch = on_batch
         self._dirty: dict[tuple[str, int], JobStream] = {}
         self._wake = asyncio.Event()
+        self._round_trip_done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._refused = 0  # writes refused since the last warning
         self._warned_at: float | None = None
@@ -154,6 +155,13 @@ class Publisher:
         stream.terminal = terminal
         self._mark(stream)
         return await asyncio.shield(terminal.done) == WRITTEN
+
+    async def flush(self, stream: JobStream) -> None:
+        """Until what was handed over for ``stream`` so far has landed (or the attempt went
+        stale): a new attempt of the job starts only after its predecessor's output."""
+        while not stream.stale and (stream.pending is not None or stream.unconfirmed):
+            self._round_trip_done.clear()
+            await self._round_trip_done.wait()
 
     def _mark(self, stream: JobStream) -> None:
         self._dirty[(stream.job_id, stream.attempt)] = stream
@@ -180,6 +188,7 @@ class Publisher:
             except Exception as exc:  # a bug must not stop every job's publishing
                 log.exception("publish failed unexpectedly, retrying")
                 self._retry_later(batch, exc)
+            self._round_trip_done.set()
 
     async def _next_batch(self) -> list[JobStream]:
         """The jobs due for a round trip (at most ``max_batch``), waiting for one if none.
