@@ -76,7 +76,7 @@ class Plan:
     rate: float = 50.0
     tick: float = 0.0  # 0: one event per write (providers' pacing); > 0: coalescing mock
     ramp: float = 1.0
-    start_ours: int = 100
+    start_ours: int = 200
     start_peer: int = 25
     max_streams: int = 6400
     refine: int = 2
