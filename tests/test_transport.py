@@ -24,7 +24,7 @@ from tests.test_tls import make_certs
 from worker.errors import ConfigError, RetryableUpstreamError, UpstreamTimeoutError
 from worker.settings import Settings
 from worker.speedups import chosen_transport
-from worker.transport import HIGH_WATER, HttptoolsTransport, _Connection, _Sweeper
+from worker.transport import HIGH_WATER, HttptoolsTransport, _Connection
 from worker.upstream import UpstreamClient
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
@@ -123,6 +123,17 @@ def test_a_proxy_in_the_environment_means_httpx_s_own_transport(
         chosen_transport(settings_for("http://x/v1"))
 
 
+def test_without_httptools_auto_falls_back_and_forcing_it_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from worker import speedups
+
+    monkeypatch.setattr(speedups, "httptools_installed", lambda: False)
+    assert chosen_transport(settings_for("http://x/v1", http_transport="auto")) == "httpx"
+    with pytest.raises(ConfigError, match="not installed"):
+        chosen_transport(settings_for("http://x/v1"))
+
+
 # --- parsing: a response split anywhere --------------------------------------------------------
 
 
@@ -146,7 +157,7 @@ class FakeTransport(asyncio.Transport):
 
 
 def parsed(*pieces: bytes, lost: bool = False) -> _Connection:
-    connection = _Connection(("http", "h", 80), _Sweeper())
+    connection = _Connection(("http", "h", 80))
     connection.connection_made(FakeTransport())
     connection.busy = True
     for piece in pieces:

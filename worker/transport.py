@@ -40,9 +40,8 @@ Key = tuple[str, str, int]  # scheme, host, port
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection, one response at a time; httptools calls back into it."""
 
-    def __init__(self, key: Key, sweeper: _Sweeper) -> None:
+    def __init__(self, key: Key) -> None:
         self.key = key
-        self.sweeper = sweeper
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -363,7 +362,7 @@ class HttptoolsTransport(httpx.AsyncBaseTransport):
             if connection.reusable(now, self._expiry):
                 return connection
             connection.close()
-        return await _connect(key, self._ssl, self._sweeper, timeout)
+        return await _connect(key, self._ssl, timeout)
 
     def _release(self, connection: _Connection | None, *, reuse: bool) -> None:
         """The request is over: the connection is kept for the next one or closed."""
@@ -409,12 +408,10 @@ class _Body(httpx.AsyncByteStream):
             self._transport._release(connection, reuse=reuse)
 
 
-async def _connect(
-    key: Key, context: ssl.SSLContext, sweeper: _Sweeper, timeout: float | None
-) -> _Connection:
+async def _connect(key: Key, context: ssl.SSLContext, timeout: float | None) -> _Connection:
     scheme, host, port = key
     loop = asyncio.get_running_loop()
-    connection = _Connection(key, sweeper)
+    connection = _Connection(key)
     tls: dict[str, Any] = {"ssl": context, "server_hostname": host} if scheme == "https" else {}
     try:
         async with asyncio.timeout(timeout):
