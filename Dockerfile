@@ -14,7 +14,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY worker ./worker
-# [fast]: uvloop and hiredis (prebuilt wheels; the worker logs which loop and parser it runs)
+# [fast]: uvloop, hiredis, httptools (prebuilt wheels; the worker logs what it runs on)
 RUN pip install '.[fast]' \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin chatstream
 

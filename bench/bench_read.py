@@ -11,10 +11,10 @@ write, and a client keeps up), which the table checks.
 
 httpx
     ``UpstreamClient`` (the worker's relay and error translation) over httpx's default
-    transport: httpcore + h11 over anyio.
-httpx+protocol
-    the same with ``worker.netio.ProtocolBackend`` under httpcore: h11 over an asyncio
-    Protocol, lazy read timeout (what the worker runs).
+    transport: httpcore + h11 over anyio (what the worker runs without httptools).
+httpx+httptools
+    the same over ``worker.transport.HttptoolsTransport``: llhttp over an asyncio
+    Protocol, the read timeout by one sweep (what the worker runs with ``[fast]``).
 httpx+aiohttp
     the same over ``httpx_aiohttp.AiohttpTransport`` (aiohttp's C parser), if installed.
 aiohttp
@@ -49,7 +49,7 @@ BODY = {
     "stream": True,
     "stream_options": {"include_usage": True},
 }
-CANDIDATES = ("httpx", "httpx+protocol", "httpx+aiohttp", "aiohttp", "protocol")
+CANDIDATES = ("httpx", "httpx+httptools", "httpx+aiohttp", "aiohttp", "protocol")
 
 
 def free_port() -> int:
@@ -67,7 +67,10 @@ async def read_upstream_client(url: str, body: dict[str, Any], kind: str) -> int
     from worker.settings import Settings
     from worker.upstream import UpstreamClient, _new_http_client, _timeouts
 
-    settings = Settings(_env_file=None, upstream_url=url, concurrency=1000)
+    transport = "httptools" if kind == "httpx+httptools" else "httpx"
+    settings = Settings(
+        _env_file=None, upstream_url=url, concurrency=1000, http_transport=transport
+    )
     if kind == "httpx+aiohttp":
         from httpx_aiohttp import AiohttpTransport
 
@@ -77,10 +80,6 @@ async def read_upstream_client(url: str, body: dict[str, Any], kind: str) -> int
         )
     else:
         http = _new_http_client(settings, _timeouts(settings))
-        if kind == "httpx+protocol":
-            from worker.netio import use_protocol_backend
-
-            assert use_protocol_backend(http)
     upstream = UpstreamClient(settings, http)
     return await _all_streams(lambda: _relay(upstream, body), http.aclose)
 
@@ -163,7 +162,7 @@ def child(kind: str, loop_name: str, url: str, streams: int, tokens: int, rate: 
     STREAMS[0] = streams
     body = {**BODY, "mock": {"tokens": tokens, "rate": rate}}
     reader = {"aiohttp": read_aiohttp, "protocol": read_protocol}.get(kind, read_upstream_client)
-    for module in ("httpx", "worker.upstream", "worker.netio", "aiohttp", "httpx_aiohttp"):
+    for module in ("httpx", "worker.upstream", "worker.transport", "aiohttp", "httpx_aiohttp"):
         with contextlib.suppress(ImportError):
             __import__(module)  # imports are not reads
     factory = None

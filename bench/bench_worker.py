@@ -76,7 +76,7 @@ class Plan:
     rate: float = 50.0
     tick: float = 0.0  # 0: one event per write (providers' pacing); > 0: coalescing mock
     ramp: float = 1.0
-    start_ours: int = 100
+    start_ours: int = 200
     start_peer: int = 25
     max_streams: int = 6400
     refine: int = 2
@@ -357,7 +357,7 @@ class Ours:
             "CHATSTREAM_PREFIX": OURS_PREFIX,
             "CHATSTREAM_UPSTREAM_URL": env.mock_url,
             "CHATSTREAM_CONCURRENCY": str(concurrency),
-            "CHATSTREAM_LOG_LEVEL": "INFO",  # one start-up line: the loop and parser in use
+            "CHATSTREAM_LOG_LEVEL": "INFO",  # the start-up line: loop, parser, transport in use
             **({"SSL_CERT_FILE": env.ca_file} if env.ca_file else {}),
         }
         command = [env.plan.chatstream or str(Path(sys.executable).parent / "chatstream"), "worker"]
@@ -930,6 +930,8 @@ def report(results: dict[str, dict[str, Any]], plan: Plan, quick: bool) -> None:
     print("-" * len(header))
     for name, x, y, r, goal, verdict in rows:
         print(f"{name:<34}{x:>12}{y:>14}{r:>8}{goal:>9}  {verdict}")
+    if "runtime" in ours:
+        print(f"chatstream's worker ran on: {ours['runtime']} (its start-up line)")
     if quick:
         print(f"(--quick: small sizes, capacity capped at {plan.max_streams} streams: a smoke run)")
 
@@ -1033,7 +1035,24 @@ async def run(plan: Plan, systems: list[System], logs: Path) -> dict[str, dict[s
             await run_phases(plan, systems, env, over_tls, results)
         finally:
             await redis.aclose()
+    if "ours" in results:
+        results["ours"]["runtime"] = worker_runtime(logs / "ours-worker.log")
     return results
+
+
+RUNTIME_KEYS = ("event_loop", "redis_parser", "http_transport")
+
+
+def worker_runtime(log_path: Path) -> str:
+    """What chatstream's worker ran on, from its start-up line (the last one logged)."""
+    if not log_path.exists():
+        return "unknown"
+    lines = [x for x in log_path.read_text(errors="replace").splitlines() if " started: " in x]
+    if not lines:
+        return "unknown"
+    words = lines[-1].replace('"', " ").split()
+    found = [w for w in words if w.split("=", 1)[0] in RUNTIME_KEYS]
+    return " ".join(found) or "unknown"
 
 
 async def run_phases(

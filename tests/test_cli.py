@@ -611,9 +611,11 @@ async def test_worker_exits_0_on_sigterm_after_finishing_its_job(cli: Cli, tmp_p
     upstream = cli.env["CHATSTREAM_UPSTREAM_URL"]
     event_loop = "uvloop" if speedups.uvloop_installed() else "asyncio"
     parser = "hiredis" if speedups.hiredis_installed() else "python"
+    transport = "httptools" if speedups.httptools_installed() else "httpx"
     assert (
         f" started: redis {redis_at}/0 tls=off prefix={cli.prefix} upstreams: default={upstream}"
-        f" concurrency=4 lease=30s event_loop={event_loop} redis_parser={parser}\n"
+        f" concurrency=4 lease=30s event_loop={event_loop} redis_parser={parser}"
+        f" http_transport={transport}\n"
     ) in log_text
 
 

@@ -21,6 +21,7 @@ from worker import logs, speedups
 from worker.runner import Worker
 from worker.runtime import RuntimeChoices, runtime_choices
 from worker.settings import Settings, Upstream
+from worker.speedups import chosen_transport
 
 log = logging.getLogger("chatstream.test")
 
@@ -345,13 +346,14 @@ async def test_the_start_up_line_describes_the_configuration_without_secrets(
         "worker w-startup started: redis chatstream@redis.internal:6380/2 tls=on "
         f"prefix={configured.prefix} upstreams: default=https://api.example.com/v1 "
         "local=http://vllm.internal:8000/v1 concurrency=17 lease=12s event_loop=asyncio "
-        f"redis_parser={PARSER}"
+        f"redis_parser={PARSER} http_transport={chosen_transport(configured)}"
     )
     assert line["upstreams"] == {
         "default": "https://api.example.com/v1",
         "local": "http://vllm.internal:8000/v1",
     }
     assert (line["event_loop"], line["redis_parser"]) == ("asyncio", PARSER)
+    assert line["http_transport"] in ("httptools", "httpx")
     assert not any("UPSTREAM_URL is not set" in x["message"] for x in lines(stream))
     text = stream.getvalue()
     for secret in secrets:

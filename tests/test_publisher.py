@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -59,11 +60,15 @@ class Refusing(Records):
 
 
 @pytest.fixture
-async def setup(settings: Settings, redis: Redis) -> tuple[Refusing, Publisher, Client]:
+async def setup(
+    settings: Settings, redis: Redis
+) -> AsyncIterator[tuple[Refusing, Publisher, Client]]:
     keys = Keys(settings.prefix)
     records = Refusing(redis, keys)
     await records.load_scripts()
-    return records, Publisher(redis, records), Client.from_settings(settings, redis)
+    publisher = Publisher(redis, records)
+    yield records, publisher, Client.from_settings(settings, redis)
+    await publisher.stop()  # closes its sender's connection
 
 
 async def started(records: Records, client: Client) -> tuple[str, int]:
@@ -178,3 +183,68 @@ async def test_a_superseded_attempt_stops_publishing(
     assert await publisher.finish(stream, done("old")) is False
     events = await stream_entries(redis, records.keys, job_id)
     assert [e.type for e in events] == [EventType.RESET]
+
+
+class Recording:
+    """A sender that records when each round trip began and accepts every write."""
+
+    def __init__(self) -> None:
+        self.began: list[float] = []
+        self.sizes: list[int] = []
+
+    async def send(self, commands: list[Command]) -> list[Any]:
+        self.began.append(asyncio.get_running_loop().time())
+        self.sizes.append(len(commands))
+        await asyncio.sleep(0)
+        return [1] * len(commands)  # WRITTEN
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_under_load_round_trips_are_paced_and_carry_many_jobs(
+    settings: Settings, redis: Redis
+) -> None:
+    records = Records(redis, Keys(settings.prefix), 3600)
+    sender = Recording()
+    publisher = Publisher(redis, records, sender=sender, round_trip_every=0.01)
+    streams = [publisher.open(f"job-{i}", 1) for i in range(20)]
+    publisher.start()
+    try:
+        for _ in range(30):  # 20 jobs, a delta each every 2 ms
+            for stream in streams:
+                publisher.publish(stream, Delta(content="x"))
+            await asyncio.sleep(0.002)
+    finally:
+        await publisher.stop()
+    gaps = [b - a for a, b in zip(sender.began, sender.began[1:], strict=False)]
+    assert gaps and min(gaps) >= 0.01 * 0.99  # never more often than round_trip_every
+    assert sum(sender.sizes) < 30 * len(streams) / 2  # a job's deltas coalesced per entry
+
+
+async def test_a_delta_after_a_quiet_spell_goes_out_without_waiting(
+    settings: Settings, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = Records(redis, Keys(settings.prefix), 3600)
+    sender = Recording()
+    publisher = Publisher(redis, records, sender=sender, round_trip_every=3600.0)
+    publisher._not_before = asyncio.get_running_loop().time() - 1  # the last one long ago
+    stream = publisher.open("job", 1)
+    publisher.publish(stream, Delta(content="x"))
+    batch = await asyncio.wait_for(publisher._next_batch(), 1)  # no hour-long pause
+    assert batch == [stream]
+
+
+async def test_flush_returns_once_the_deltas_handed_over_have_landed(
+    setup: tuple[Refusing, Publisher, Client], redis: Redis
+) -> None:
+    records, publisher, client = setup
+    job_id, attempt = await started(records, client)
+    stream = publisher.open(job_id, attempt)
+    records.refuse[(job_id, 1)] = 2  # lands on the third round trip
+    publisher.publish(stream, Delta(role="assistant", content="before the reset"))
+    publisher.start()
+    await asyncio.wait_for(publisher.flush(stream), 5)
+    assert stream.pending is None and stream.unconfirmed == []
+    content = merge_deltas(await stream_entries(redis, records.keys, job_id)).content
+    assert content == "before the reset"

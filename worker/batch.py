@@ -3,19 +3,29 @@
 The publisher hands a batch of commands (one tuple of arguments each, as Redis receives
 them) to a sender and reads one reply per command, in order: a command Redis refused comes
 back as its exception, not raised, so the others' replies still count. A failure of the
-round trip as a whole (a lost connection) is raised.
+round trip as a whole (a lost connection, no reply in time) is raised as a ``RedisError``,
+and the next ``send`` connects again.
 
-:class:`PipelineSender` is redis-py's non-transactional pipeline. Other senders (a cheaper
-single-connection one, one that splits a batch by Redis Cluster node) keep this contract.
+:class:`ConnectionSender` (the default) writes a batch as one packed write on a connection
+of its own and reads the replies with that connection's parser (hiredis when installed).
+:class:`PipelineSender` is redis-py's non-transactional pipeline: the same contract at
+about three times the CPU per command (docs/decisions.md, 38). Other senders (one that
+splits a batch by Redis Cluster node) keep this contract.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection, DefaultParser
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Command = tuple[Any, ...]  # e.g. ("EVALSHA", sha, 2, key, key, arg, ...)
+Packer = Callable[[list[Command]], "bytes | list[bytes]"]
 
 
 class BatchSender(Protocol):
@@ -23,9 +33,13 @@ class BatchSender(Protocol):
         """One reply per command, in order; a refused command's reply is its exception."""
         ...
 
+    async def aclose(self) -> None:
+        """Release what the sender holds of its own (a connection); it is not used again."""
+        ...
+
 
 class PipelineSender:
-    """redis-py's pipeline (``transaction=False``)."""
+    """redis-py's pipeline (``transaction=False``), on the client's connection pool."""
 
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
@@ -35,3 +49,69 @@ class PipelineSender:
         for command in commands:
             pipe.execute_command(*command)
         return list(await pipe.execute(raise_on_error=False))
+
+    async def aclose(self) -> None:
+        pass  # the pool belongs to the client
+
+
+class ConnectionSender:
+    """A connection of its own (the client's settings: host, TLS, auth, db, parser): each
+    batch is packed into one write (``hiredis.pack_command`` when the parser is hiredis,
+    else redis-py's ``pack_commands``) and its replies are read under one timeout, the
+    client's ``socket_timeout``, instead of one per reply. Replies are raw: not decoded,
+    nor passed through redis-py's response callbacks (the publisher's scripts answer
+    integers)."""
+
+    def __init__(self, redis: Redis) -> None:
+        pool = redis.connection_pool
+        kwargs = dict(pool.connection_kwargs)
+        self._timeout: float | None = kwargs.get("socket_timeout")
+        kwargs["socket_timeout"] = None  # one deadline per round trip, below
+        self._connection: AbstractConnection = pool.connection_class(**kwargs)
+        self._pack = packer(self._connection, kwargs.get("parser_class", DefaultParser))
+
+    async def send(self, commands: list[Command]) -> list[Any]:
+        connection = self._connection
+        try:
+            async with asyncio.timeout(self._timeout):
+                await connection.send_packed_command(self._pack(commands), check_health=False)
+                return [await _reply(connection) for _ in commands]
+        except TimeoutError:
+            await connection.disconnect(nowait=True)
+            raise RedisTimeoutError(
+                f"no reply from Redis in {self._timeout:g}s to a batch of {len(commands)}"
+            ) from None
+        except BaseException:
+            # a reply was cut (lost connection, cancellation): the stream is out of step
+            await connection.disconnect(nowait=True)
+            raise
+
+    async def aclose(self) -> None:
+        await self._connection.disconnect()
+
+
+async def _reply(connection: AbstractConnection) -> Any:
+    try:
+        return await connection.read_response(disable_decoding=True)
+    except ResponseError as exc:  # refused: the others' replies still follow
+        return exc
+
+
+def packer(connection: AbstractConnection, parser_class: type[Any]) -> Packer:
+    """The batch packer: hiredis's C packer when the connection parses with hiredis."""
+    if "hiredis" in parser_class.__name__.lower():
+        import hiredis
+
+        pack = hiredis.pack_command
+        return lambda commands: b"".join([pack(command) for command in commands])
+    return connection.pack_commands
+
+
+def default_sender(redis: Redis) -> BatchSender:
+    """:class:`ConnectionSender`, except for an in-process stand-in Redis (fakeredis: the
+    demo), which has no connection of its own to make."""
+    if type(redis.connection_pool).__module__.startswith("fakeredis") or "fakeredis" in str(
+        getattr(redis.connection_pool, "connection_class", "")
+    ):
+        return PipelineSender(redis)
+    return ConnectionSender(redis)

@@ -214,6 +214,7 @@ async def start_next_attempt(services: Services, job: JobRun) -> bool:
     """Start a new attempt of this job (its stream gets a ``reset``), only while the current
     one is still the job's; False when it is not (the attempt goes on to a refused write)."""
     settings = services.settings
+    await services.publisher.flush(job.stream)  # its output lands before the `reset`
     started = await services.records.start(
         job.job_id, services.worker_name, settings.max_attempts, restart_of=job.attempt
     )

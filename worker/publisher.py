@@ -35,7 +35,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from worker.accumulator import Delta
-from worker.batch import BatchSender, Command, PipelineSender
+from worker.batch import BatchSender, Command, default_sender
 from worker.records import ALREADY, NOT_YET, STALE, WRITTEN, Records, dumps
 from worker.retry import REDIS_WAIT, pause
 from worker.tasks import cancel_and_wait
@@ -43,6 +43,7 @@ from worker.tasks import cancel_and_wait
 log = logging.getLogger("chatstream.publisher")
 
 WARN_EVERY = 10.0  # seconds between warnings while Redis keeps refusing writes
+ROUND_TRIP_EVERY = 0.002  # under load, at most one round trip per this many seconds
 DELTA, TERMINAL = "delta", "terminal"
 
 
@@ -119,13 +120,17 @@ class Publisher:
         max_batch: int = 1000,
         on_batch: BatchObserver | None = None,
         sender: BatchSender | None = None,
+        round_trip_every: float = ROUND_TRIP_EVERY,
     ) -> None:
         self._records = records
-        self._sender = sender if sender is not None else PipelineSender(redis)
+        self._sender = sender if sender is not None else default_sender(redis)
+        self._round_trip_every = round_trip_every
+        self._not_before = 0.0  # loop time before which no round trip begins
         self._max_batch = max_batch
         self._on_batch = on_batch
         self._dirty: dict[tuple[str, int], JobStream] = {}
         self._wake = asyncio.Event()
+        self._round_trip_done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._refused = 0  # writes refused since the last warning
         self._warned_at: float | None = None
@@ -151,6 +156,13 @@ class Publisher:
         self._mark(stream)
         return await asyncio.shield(terminal.done) == WRITTEN
 
+    async def flush(self, stream: JobStream) -> None:
+        """Until what was handed over for ``stream`` so far has landed (or the attempt went
+        stale): a new attempt of the job starts only after its predecessor's output."""
+        while not stream.stale and (stream.pending is not None or stream.unconfirmed):
+            self._round_trip_done.clear()
+            await self._round_trip_done.wait()
+
     def _mark(self, stream: JobStream) -> None:
         self._dirty[(stream.job_id, stream.attempt)] = stream
         self._wake.set()
@@ -162,10 +174,13 @@ class Publisher:
         if self._task is not None:
             await cancel_and_wait([self._task])
             self._task = None
+        await self._sender.aclose()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             batch = await self._next_batch()
+            self._not_before = loop.time() + self._round_trip_every
             try:
                 await self._write(batch)
             except RedisError as exc:  # the round trip failed as a whole (connection)
@@ -173,13 +188,21 @@ class Publisher:
             except Exception as exc:  # a bug must not stop every job's publishing
                 log.exception("publish failed unexpectedly, retrying")
                 self._retry_later(batch, exc)
+            self._round_trip_done.set()
 
     async def _next_batch(self) -> list[JobStream]:
-        """The jobs due for a round trip (at most ``max_batch``), waiting for one if none."""
+        """The jobs due for a round trip (at most ``max_batch``), waiting for one if none.
+
+        Under load, round trips begin at most every ``round_trip_every`` seconds: the
+        deltas that arrive meanwhile coalesce per job and share the round trip (each costs
+        a write, a read and a wake-up). At low load a delta still goes out at once."""
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
             now, batch, next_due = loop.time(), [], None
+            if self._dirty and now < self._not_before:
+                await asyncio.sleep(self._not_before - now)
+                continue
             for key, stream in list(self._dirty.items()):
                 if stream.due <= now:
                     batch.append(self._dirty.pop(key))

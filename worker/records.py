@@ -200,8 +200,13 @@ return 'cancelled'
 """
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON, non-ASCII as is; one encoder for all calls (``json.dumps`` with
+    options builds a new one per call: a tenth of the publisher's per-entry work)."""
+    return _ENCODER.encode(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@
 parser in use (asyncio or uvloop; redis-py's Python parser or hiredis), so the start-up
 line says what a worker actually runs on. ``startup_summary()`` is that line: Redis
 (host, db, TLS; never the password), the key prefix, the upstreams by name and URL (never
-their keys or headers), concurrency, lease, event loop and parser.
+their keys or headers), concurrency, lease, event loop, parser and HTTP transport.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from redis.asyncio import Redis
 
 from worker.settings import DEFAULT_UPSTREAM, Settings
+from worker.speedups import chosen_transport
 
 SECRET_QUERY_PARAMS = frozenset({"password", "ssl_password"})
 
@@ -114,12 +115,13 @@ def startup_summary(settings: Settings, redis: Redis, worker: str) -> tuple[str,
         "lease_seconds": settings.lease_seconds,
         "event_loop": choices.event_loop,
         "redis_parser": choices.redis_parser,
+        "http_transport": chosen_transport(settings),
     }
     shown = " ".join(f"{name}={url}" for name, url in upstreams.items())
     message = (
         f"worker {worker} started: redis {fields['redis']} prefix={settings.prefix} "
         f"upstreams: {shown} concurrency={settings.concurrency} "
         f"lease={settings.lease_seconds:g}s event_loop={choices.event_loop} "
-        f"redis_parser={choices.redis_parser}"
+        f"redis_parser={choices.redis_parser} http_transport={fields['http_transport']}"
     )
     return message, fields

@@ -200,6 +200,12 @@ class Settings(BaseSettings):
         description="Redis reply parser: `auto` uses hiredis when it is installed "
         "(`chatstream[fast]`), else redis-py's pure-Python one.",
     )
+    http_transport: Literal["auto", "httptools", "httpx"] = Field(
+        "auto",
+        description="Upstream HTTP transport under httpx: `auto` uses chatstream's httptools "
+        "transport when httptools is installed (`chatstream[fast]`) and no proxy is "
+        "configured in the environment, else httpx's own.",
+    )
     metrics_max_models: int = Field(
         50,
         ge=1,

@@ -1,12 +1,13 @@
-"""uvloop and hiredis: used when installed (``pip install 'chatstream[fast]'``).
+"""uvloop, hiredis and httptools: used when installed (``pip install 'chatstream[fast]'``).
 
 They are the ecosystem's standard accelerators (uvicorn and redis-py ship them as
-extras): uvloop is an event loop on libuv, hiredis parses Redis replies in C. Without
-them the worker runs on asyncio and redis-py's pure-Python parser, the same code either
-way. ``CHATSTREAM_EVENT_LOOP`` / ``CHATSTREAM_REDIS_PARSER`` (``auto``, the default, or
-one of the two) force a choice; forcing one that is not installed is a configuration
-error. ``worker.runtime.runtime_choices`` says what a running process actually uses; the
-worker logs it at start-up.
+extras): uvloop is an event loop on libuv, hiredis parses Redis replies in C, httptools
+parses HTTP responses in C (llhttp) under ``worker.transport``. Without them the worker
+runs on asyncio, redis-py's pure-Python parser and httpx's own transport, the same code
+either way. ``CHATSTREAM_EVENT_LOOP`` / ``CHATSTREAM_REDIS_PARSER`` /
+``CHATSTREAM_HTTP_TRANSPORT`` (``auto``, the default, or one of the two) force a choice;
+forcing one that is not installed is a configuration error. What a running process uses
+(``worker.runtime.runtime_choices``, ``chosen_transport``) is in the worker's start-up line.
 """
 
 from __future__ import annotations
@@ -52,6 +53,36 @@ def chosen_parser(settings: Settings) -> str:
         raise ConfigError(
             "CHATSTREAM_REDIS_PARSER=hiredis, but hiredis (>= 3.2) is not installed "
             "(pip install 'chatstream[fast]')"
+        )
+    return choice
+
+
+def httptools_installed() -> bool:
+    return find_spec("httptools") is not None
+
+
+def environment_proxies() -> dict[str, str]:
+    """The proxies the environment configures (what httpx would use), by scheme."""
+    from urllib.request import getproxies
+
+    return {k: v for k, v in getproxies().items() if k in ("http", "https", "all") and v}
+
+
+def chosen_transport(settings: Settings) -> str:
+    """``httptools`` (``worker.transport``) or ``httpx`` (httpx's own, on httpcore)."""
+    choice = settings.http_transport
+    if choice == "auto":
+        usable = httptools_installed() and not environment_proxies()
+        return "httptools" if usable else "httpx"
+    if choice == "httptools" and not httptools_installed():
+        raise ConfigError(
+            "CHATSTREAM_HTTP_TRANSPORT=httptools, but httptools is not installed "
+            "(pip install 'chatstream[fast]')"
+        )
+    if choice == "httptools" and environment_proxies():
+        raise ConfigError(
+            "CHATSTREAM_HTTP_TRANSPORT=httptools does not speak to proxies, and the "
+            "environment configures one (HTTP_PROXY / HTTPS_PROXY / ALL_PROXY): use auto"
         )
     return choice
 
