@@ -1,8 +1,12 @@
-"""The repository's own promises: CI runs the README's test command; no import circles."""
+"""The repository's own promises: CI runs the README's test command; no import circles;
+the test runner keeps xdist groups together."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,3 +92,35 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert commands[1] in ci
     assert any("tests/test_repo.py" in line for line in ci)  # the comment that cites this test
+
+
+GROUPED = """
+import os
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("one")
+
+
+@pytest.mark.parametrize("n", range(6))
+def test_grouped(n: int) -> None:
+    with open(os.environ["WORKERS_FILE"], "a") as out:
+        out.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def test_xdist_groups_keep_their_tests_on_one_process(tmp_path: Path) -> None:
+    """The suite relies on ``xdist_group`` to run the worker-process tests one at a time
+    (decision 37); some pytest and pytest-xdist versions drop the group without a word
+    (pytest-xdist#1386)."""
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    workers = tmp_path / "workers.txt"
+    env = {**os.environ, "WORKERS_FILE": str(workers)}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "3"]
+    command += ["--dist", "loadgroup", "-c", os.devnull, "--rootdir", str(tmp_path)]
+    done = subprocess.run(
+        command, check=False, cwd=tmp_path, env=env, capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout.decode()[-2000:]
+    ran_on = workers.read_text().split()
+    assert len(ran_on) == 6 and len(set(ran_on)) == 1, ran_on
