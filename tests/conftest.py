@@ -27,6 +27,7 @@ from schemas.events import StreamEvent
 from schemas.jobs import JobRecord
 from worker.client import Client
 from worker.mock_upstream import MockConfig, MockUpstream, serve_mock
+from worker.redis_client import RedisClient
 from worker.runner import Worker
 from worker.settings import Settings
 
@@ -181,7 +182,7 @@ class Harness:
     """A started in-process worker, a client, and the mock upstream they talk to."""
 
     settings: Settings
-    redis: Redis
+    redis: RedisClient
     mock: MockUpstream
     worker: Worker
     client: Client
@@ -217,7 +218,7 @@ async def mock_upstream() -> AsyncIterator[tuple[MockUpstream, str]]:
 
 @pytest.fixture
 async def harness(
-    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+    settings: Settings, redis: RedisClient, mock_upstream: tuple[MockUpstream, str]
 ) -> AsyncIterator[Harness]:
     app, url = mock_upstream
     settings = settings.model_copy(update={"upstream_url": url})

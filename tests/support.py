@@ -18,7 +18,6 @@ from typing import IO, Any
 from unittest import mock
 
 import pytest
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas.events import EventType, StreamEvent
@@ -29,6 +28,7 @@ from worker.accumulator import Delta, FinalMessage
 from worker.client import Client
 from worker.keys import GROUP, Keys
 from worker.mock_upstream import MockConfig, expected_reply
+from worker.redis_client import RedisClient
 from worker.runner import Worker
 
 MOCK_PROCESS = MockConfig(tokens=64)  # `chatstream mock-upstream`'s default server config
@@ -40,7 +40,7 @@ TERMINAL_TYPE = {
 }
 
 
-async def stream_entries(redis: Redis, keys: Keys, job_id: str) -> list[StreamEvent]:
+async def stream_entries(redis: RedisClient, keys: Keys, job_id: str) -> list[StreamEvent]:
     """Every entry of the job's events stream, as stored."""
     rows: Any = await redis.xrange(keys.events(job_id))
     return [StreamEvent.from_entry(str(eid), dict(fields)) for eid, fields in rows]
@@ -165,7 +165,7 @@ def terminal_data(record: JobRecord) -> dict[str, Any]:
     return data
 
 
-async def queue_is_empty(redis: Redis, keys: Keys) -> bool:
+async def queue_is_empty(redis: RedisClient, keys: Keys) -> bool:
     pending: Any = await redis.xpending(keys.queue, GROUP)
     return int(await redis.xlen(keys.queue)) == 0 and int(pending["pending"]) == 0
 
@@ -204,12 +204,12 @@ async def eventually(
             await asyncio.sleep(every)
 
 
-async def status_of(redis: Redis, keys: Keys, job_id: str) -> str | None:
+async def status_of(redis: RedisClient, keys: Keys, job_id: str) -> str | None:
     status: Any = await redis.hget(keys.job(job_id), "status")
     return None if status is None else str(status)
 
 
-async def queue_is_drained(redis: Redis, keys: Keys) -> bool:
+async def queue_is_drained(redis: RedisClient, keys: Keys) -> bool:
     """No queue entry left, none pending: every entry was acked and deleted."""
     pending: Any = await redis.xpending(keys.queue, GROUP)
     return int(await redis.xlen(keys.queue)) == 0 and pending["pending"] == 0
@@ -260,7 +260,7 @@ class WorkerProcesses:
         return process
 
     async def ready(
-        self, process: subprocess.Popen[bytes], redis: Redis, keys: Keys, timeout: float = 20
+        self, process: subprocess.Popen[bytes], redis: RedisClient, keys: Keys, timeout: float = 20
     ) -> None:
         """Until the process wrote its heartbeat (it consumes from then on)."""
         marker = f"-{process.pid}-"
@@ -368,7 +368,7 @@ async def mock_process(directory: Path) -> AsyncIterator[str]:
         await process.wait()
 
 
-async def statuses(redis: Redis, keys: Keys, ids: list[str]) -> list[str | None]:
+async def statuses(redis: RedisClient, keys: Keys, ids: list[str]) -> list[str | None]:
     pipe = redis.pipeline(transaction=False)
     for job_id in ids:
         pipe.hget(keys.job(job_id), "status")
@@ -376,7 +376,7 @@ async def statuses(redis: Redis, keys: Keys, ids: list[str]) -> list[str | None]
     return result
 
 
-async def all_terminal(redis: Redis, keys: Keys, ids: list[str]) -> bool:
+async def all_terminal(redis: RedisClient, keys: Keys, ids: list[str]) -> bool:
     try:
         return all(status in TERMINAL for status in await statuses(redis, keys, ids))
     except RedisError:  # Redis is being restarted, or refuses commands
@@ -396,7 +396,7 @@ def check_job(request: dict[str, Any], record: JobRecord, events: list[StreamEve
 
 
 async def check_all(
-    redis: Redis, keys: Keys, requests: list[dict[str, Any]], ids: list[str]
+    redis: RedisClient, keys: Keys, requests: list[dict[str, Any]], ids: list[str]
 ) -> list[JobRecord]:
     """``check_job`` for every job; the queue drained, no dead letters."""
     client = Client(redis, prefix=keys.prefix)

@@ -18,7 +18,8 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.conftest import RedisServer
-from worker.batch import Command, ConnectionSender, PipelineSender, default_sender, packer
+from worker.batch import Command, ConnectionSender, PipelineSender, packer
+from worker.publisher import default_sender
 
 PARSERS = {"hiredis": _AsyncHiredisParser, "python": _AsyncRESP3Parser}
 REFUSED: Command = ("EVAL", "return redis.error_reply('OOM command not allowed')", 0)

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis.asyncio import Redis
 
 from schemas.events import EventType
 from tests.conftest import RedisServer, chat
@@ -36,8 +35,9 @@ from tests.support import (
     stream_entries,
     worker_env,
 )
-from worker.client import Client, redis_from_settings
+from worker.client import Client
 from worker.keys import GROUP, Keys
+from worker.redis_client import RedisClient, redis_from_settings
 from worker.settings import Settings
 
 # one at a time on one test process: their workers' leases and heartbeats run on real clocks
@@ -68,7 +68,9 @@ class Killed:
     killed_at: float  # Unix seconds (the machine's clock, as Redis entry ids are)
 
 
-async def running_on(redis: Redis, keys: Keys, process: Any, killed_at: float) -> list[Killed]:
+async def running_on(
+    redis: RedisClient, keys: Keys, process: Any, killed_at: float
+) -> list[Killed]:
     """The jobs a (now dead) worker process was running."""
     names = [str(n) for n in await redis.zrange(keys.workers, 0, -1) if f"-{process.pid}-" in n]
     killed = []
@@ -83,7 +85,7 @@ async def running_on(redis: Redis, keys: Keys, process: Any, killed_at: float) -
     return killed
 
 
-async def output_again_after(redis: Redis, keys: Keys, killed: Killed) -> float | None:
+async def output_again_after(redis: RedisClient, keys: Keys, killed: Killed) -> float | None:
     """Seconds from the kill to the first delta of the next attempt (after its reset); None
     when that attempt was killed too before it wrote any (its own kill is measured)."""
     for event in await stream_entries(redis, keys, killed.job_id):
@@ -92,7 +94,7 @@ async def output_again_after(redis: Redis, keys: Keys, killed: Killed) -> float 
     return None
 
 
-async def unfinished(redis: Redis, keys: Keys, ids: list[str]) -> list[dict[str, Any]]:
+async def unfinished(redis: RedisClient, keys: Keys, ids: list[str]) -> list[dict[str, Any]]:
     """The records of the jobs not finished yet (minus their requests), for a failure."""
     found = []
     for job_id, status in zip(ids, await statuses(redis, keys, ids), strict=True):
@@ -111,7 +113,7 @@ async def arrive(client: Client, requests: list[dict[str, Any]], ids: list[str])
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_jobs_survive_workers_killed_every_few_seconds(
-    redis_server: RedisServer | None, redis: Redis, prefix: str, tmp_path: Path
+    redis_server: RedisServer | None, redis: RedisClient, prefix: str, tmp_path: Path
 ) -> None:
     """Jobs arrive steadily while a random worker is SIGKILLed every 2 s (and replaced).
     Default lease (30 s) and heartbeats: a killed worker's jobs are taken over when its
@@ -242,7 +244,7 @@ async def test_jobs_survive_redis_restarts(
         await redis.aclose()
 
 
-async def _until_done(redis: Redis, keys: Keys, ids: list[str], fraction: float) -> None:
+async def _until_done(redis: RedisClient, keys: Keys, ids: list[str], fraction: float) -> None:
     async def enough() -> bool:
         done = sum(status in TERMINAL for status in await statuses(redis, keys, ids))
         return done >= fraction * len(ids)

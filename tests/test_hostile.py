@@ -27,10 +27,11 @@ from schemas.jobs import JobStatus
 from tests.conftest import Harness, RedisServer, chat
 from tests.support import InstantGateWaits, custom_harness, inject, merged, output_of
 from worker.accumulator import Accumulator
-from worker.client import Client, redis_from_settings
+from worker.client import Client
 from worker.errors import InvalidJobError, ProtocolError
 from worker.pipeline import load_request
 from worker.records import dumps
+from worker.redis_client import redis_from_settings
 from worker.runner import Worker
 from worker.settings import Settings
 from worker.sse import SSEDecoder

@@ -323,13 +323,13 @@ async def test_an_entry_taken_over_by_another_worker_is_not_acked_by_the_old_own
     [entry] = await old.read(1, 10)
     [taken] = await new.reclaim(1, 0)
     assert taken.entry_id == entry.entry_id
-    assert await old.ack(entry.entry_id) is False
-    assert await old.requeue(entry.entry_id, "job-1") is None
-    assert await old.renew([entry.entry_id]) == [entry.entry_id]  # lost
+    assert await old.ack(entry) is False
+    assert await old.requeue(entry, "job-1") is None
+    assert await old.renew([entry]) == [entry.ref]  # lost
     rows: Any = await redis.xpending_range(keys.queue, GROUP, "-", "+", 10)
     assert [(r["message_id"], r["consumer"]) for r in rows] == [(entry.entry_id, "new")]
     assert await redis.xlen(keys.queue) == 1
-    assert await new.ack(entry.entry_id) is True
+    assert await new.ack(taken) is True
     assert await queue_is_drained(redis, keys)
 
 

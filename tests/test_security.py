@@ -26,12 +26,13 @@ from schemas.events import EventType
 from tests.conftest import Harness, RedisServer, chat, free_port, redis_executable
 from tests.support import custom_harness, inject
 from worker import logs
-from worker.client import Client, redis_from_settings
+from worker.client import Client
 from worker.errors import InvalidJobError
 from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
+from worker.redis_client import redis_from_settings
 from worker.runner import Worker
-from worker.runtime import redacted_url
 from worker.settings import Settings, Upstream
+from worker.urls import redacted_url
 
 # -- a job names an upstream; it never chooses a URL --------------------------------------------
 

@@ -11,9 +11,10 @@ from redis.asyncio import Redis
 
 from tests.conftest import chat
 from worker import speedups
-from worker.client import Client, redis_from_settings
+from worker.client import Client
 from worker.errors import ConfigError
 from worker.mock_upstream import serve_mock
+from worker.redis_client import redis_from_settings
 from worker.runner import Worker
 from worker.runtime import runtime_choices
 from worker.settings import Settings
@@ -76,6 +77,7 @@ async def test_each_parser_talks_to_redis_and_replaces_bad_utf8(
     config = settings.model_copy(update={"redis_parser": parser})
     redis = redis_from_settings(config)
     expected = _AsyncHiredisParser if parser == "hiredis" else _AsyncRESP3Parser
+    assert isinstance(redis, Redis)
     assert redis.connection_pool.connection_kwargs["parser_class"] is expected
     assert runtime_choices(redis).redis_parser == parser
     key = f"{config.prefix}:bytes"

@@ -27,8 +27,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from schemas.events import EventType
 from tests.conftest import RedisServer, chat, redis_executable
-from worker.client import Client, redis_from_settings
+from worker.client import Client
 from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
+from worker.redis_client import redis_from_settings
 from worker.runner import Worker
 from worker.settings import Settings
 
@@ -187,6 +188,7 @@ async def tls(tls_server: TLSRedisServer, settings: Settings) -> AsyncIterator[T
     async with serve_mock(app=app) as url:
         config = settings.model_copy(update={"redis_url": tls_server.url, "upstream_url": url})
         redis = redis_from_settings(config)
+        assert isinstance(redis, Redis)
         worker = Worker(config, redis)
         await worker.startup()
         try:

@@ -62,12 +62,17 @@ class ConnectionSender:
     nor passed through redis-py's response callbacks (the publisher's scripts answer
     integers)."""
 
-    def __init__(self, redis: Redis) -> None:
-        pool = redis.connection_pool
-        kwargs = dict(pool.connection_kwargs)
+    def __init__(
+        self, redis: Redis | None = None, *, connection_class: Any = None, **kwargs: Any
+    ) -> None:
+        """On a connection made like ``redis``'s pool makes them, or of ``connection_class``
+        with ``kwargs`` (a Cluster node's)."""
+        if redis is not None:
+            connection_class = redis.connection_pool.connection_class
+            kwargs = dict(redis.connection_pool.connection_kwargs)
         self._timeout: float | None = kwargs.get("socket_timeout")
         kwargs["socket_timeout"] = None  # one deadline per round trip, below
-        self._connection: AbstractConnection = pool.connection_class(**kwargs)
+        self._connection: AbstractConnection = connection_class(**kwargs)
         self._pack = packer(self._connection, kwargs.get("parser_class", DefaultParser))
 
     async def send(self, commands: list[Command]) -> list[Any]:
@@ -105,13 +110,3 @@ def packer(connection: AbstractConnection, parser_class: type[Any]) -> Packer:
         pack = hiredis.pack_command
         return lambda commands: b"".join([pack(command) for command in commands])
     return connection.pack_commands
-
-
-def default_sender(redis: Redis) -> BatchSender:
-    """:class:`ConnectionSender`, except for an in-process stand-in Redis (fakeredis: the
-    demo), which has no connection of its own to make."""
-    if type(redis.connection_pool).__module__.startswith("fakeredis") or "fakeredis" in str(
-        getattr(redis.connection_pool, "connection_class", "")
-    ):
-        return PipelineSender(redis)
-    return ConnectionSender(redis)

@@ -26,11 +26,11 @@ from redis.exceptions import RedisError
 
 from schemas.jobs import JobRecord, JobStatus
 from worker import logs, speedups
-from worker.client import Client, ensure_reachable, within
+from worker.client import Client, within
 from worker.errors import ChatstreamError
 from worker.output import print_event, print_jobs, print_record
-from worker.runtime import redacted_url
 from worker.settings import Settings, load_settings
+from worker.urls import redacted_url
 
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 log = logging.getLogger("chatstream.cli")
@@ -97,9 +97,8 @@ def package_version() -> str:
 @asynccontextmanager
 async def connected(settings: Settings) -> AsyncIterator[Client]:
     """A client whose Redis answered a PING (within seconds, or RedisUnavailableError)."""
-    client = Client.from_settings(settings)
+    client = await Client.connect(settings)
     try:
-        await ensure_reachable(client.redis, redacted_url(settings.redis_url))
         yield client
     finally:
         await client.aclose()

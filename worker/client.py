@@ -16,49 +16,38 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.events import StreamEvent
 from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import ChatRequest, JobSpec
-from worker import speedups
-from worker.errors import InvalidJobError, JobNotFoundError, RedisUnavailableError
+from worker.errors import InvalidJobError, JobNotFoundError
 from worker.jobs import JobIndex, JobPage, Progress, read_progress
 from worker.keys import Keys
 from worker.queue import DeadLetter, Queue
 from worker.records import Records, as_text, dumps
-from worker.retry import RedisBackoff
+from worker.redis_client import RedisClient, connect, redis_from_settings
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
-# a job step waits this long for a free pooled connection before it counts as a Redis error
-POOL_WAIT_SECONDS = 30
-REDIS_RETRIES = 10
-# the first PING of a command-line tool or worker: no retries, an answer within this long
-REACH_SECONDS = 5.0
 T = TypeVar("T")
 
 
 class Client:
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         *,
         prefix: str = "chatstream",
         retention_seconds: int = 86_400,
         max_request_bytes: int = 1_048_576,
         upstreams: list[str] | None = None,
         jobs_index_max: int = 1_000_000,
+        queue_shards: int = 1,
     ) -> None:
         self.redis = redis
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, queue_shards)
         self.records = Records(redis, self.keys, retention_seconds)
         self.queue = Queue(redis, self.keys, "client")
         self.index = JobIndex(redis, self.keys, retention_seconds, jobs_index_max)
@@ -66,7 +55,7 @@ class Client:
         self.upstreams = upstreams
 
     @classmethod
-    def from_settings(cls, settings: Settings, redis: Redis | None = None) -> Client:
+    def from_settings(cls, settings: Settings, redis: RedisClient | None = None) -> Client:
         return cls(
             redis or redis_from_settings(settings),
             prefix=settings.prefix,
@@ -74,7 +63,14 @@ class Client:
             max_request_bytes=settings.max_request_bytes,
             upstreams=settings.upstream_names(),
             jobs_index_max=settings.jobs_index_max,
+            queue_shards=settings.queue_shards,
         )
+
+    @classmethod
+    async def connect(cls, settings: Settings) -> Client:
+        """A client on :func:`worker.redis_client.connect` (a plain URL of a Cluster node
+        becomes a cluster client)."""
+        return cls.from_settings(settings, await connect(settings))
 
     async def enqueue(
         self,
@@ -281,30 +277,6 @@ def _problem(exc: Exception) -> str:
     return f"a JSON field does not parse: {str(exc)[:100]}"
 
 
-async def ensure_reachable(redis: Redis, where: str, timeout: float = REACH_SECONDS) -> None:
-    """One PING, not retried, answered within ``timeout``, or RedisUnavailableError.
-
-    A command-line tool (or a worker starting) should say at once that Redis is down or
-    that something else listens on the port, rather than ride out a restart for seconds
-    (which the client's retries do for every later command).
-    """
-    retry = redis.get_retry()
-    redis.set_retry(Retry(NoBackoff(), 0))
-    try:
-        async with asyncio.timeout(timeout):
-            await redis.ping()
-    except TimeoutError:
-        raise RedisUnavailableError(
-            f"no answer from Redis at {where} within {timeout:g}s (is it a Redis server?)"
-        ) from None
-    except (RedisError, OSError) as exc:
-        reason = str(exc) or type(exc).__name__
-        raise RedisUnavailableError(f"cannot reach Redis at {where}: {reason}") from None
-    finally:
-        if retry is not None:
-            redis.set_retry(retry)
-
-
 def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
     return {
         "id": spec.id,
@@ -315,39 +287,6 @@ def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
         "created_at": f"{time.time():.6f}",
         "attempt": "0",
     }
-
-
-def redis_from_settings(settings: Settings) -> Redis:
-    """The Redis client workers and clients use; ``rediss://`` options go in the URL query.
-
-    ``encoding_errors="replace"``: bytes that are not UTF-8 (garbage written to a queue
-    entry or record by someone else) decode to U+FFFD instead of raising in the middle of
-    a reply, so a worker reading them drops or fails that job and goes on.
-
-    Connection errors and timeouts are retried (reconnect and resend) with the backoff of
-    ``worker.retry`` (about 6 s in all) before they reach the caller, so a Redis restart or
-    failover is ridden out; every write chatstream retries is idempotent or fenced
-    (docs/reliability.md).
-
-    The pool is a blocking one of ``redis_max_connections``: hundreds of jobs starting at
-    once wait briefly for a connection instead of failing with ``MaxConnectionsError``.
-    Replies are parsed by hiredis when it is installed (``CHATSTREAM_REDIS_PARSER``).
-    """
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url,
-        max_connections=settings.redis_max_connections,
-        timeout=POOL_WAIT_SECONDS,
-        decode_responses=True,
-        encoding_errors="replace",
-        health_check_interval=30,
-        socket_connect_timeout=5,
-        socket_timeout=settings.block_ms / 1000 + 10,
-        socket_keepalive=True,
-        retry=Retry(RedisBackoff(), REDIS_RETRIES),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        parser_class=speedups.parser_class(settings),
-    )
-    return Redis.from_pool(pool)
 
 
 class SyncClient:

@@ -13,12 +13,10 @@ import asyncio
 import sys
 from contextlib import AsyncExitStack
 
-from redis.asyncio import Redis
-
-from worker.client import Client, ensure_reachable, redis_from_settings
+from worker.client import Client
 from worker.output import print_event, print_record
+from worker.redis_client import RedisClient, connect
 from worker.runner import Worker
-from worker.runtime import redacted_url
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
 
@@ -34,9 +32,8 @@ async def run_demo(
     settings: Settings, message: str, *, tokens: int, rate: float, gateway: bool = False
 ) -> int:
     async with AsyncExitStack() as stack:
-        redis = await stack.enter_async_context(_redis(settings))
-        if "redis_url" in settings.model_fields_set:  # a real one: is it there?
-            await ensure_reachable(redis, redacted_url(settings.redis_url))
+        redis = await _redis(settings)
+        stack.push_async_callback(redis.aclose)
         settings = await _upstream(stack, settings, tokens, rate)
         worker = Worker(settings, redis)
         await worker.startup()
@@ -53,16 +50,16 @@ async def run_demo(
             await worker.shutdown()
 
 
-def _redis(settings: Settings) -> Redis:
-    if "redis_url" in settings.model_fields_set:
-        return redis_from_settings(settings)
+async def _redis(settings: Settings) -> RedisClient:
+    if "redis_url" in settings.model_fields_set:  # a real one: it must answer
+        return await connect(settings)
     import fakeredis
 
     print(
         "demo: using an in-process Redis stand-in (set CHATSTREAM_REDIS_URL for a real one)",
         file=sys.stderr,
     )
-    fake: Redis = fakeredis.FakeAsyncRedis(decode_responses=True)
+    fake: RedisClient = fakeredis.FakeAsyncRedis(decode_responses=True)
     return fake
 
 

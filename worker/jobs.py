@@ -21,10 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from redis.asyncio import Redis
-
 from worker.keys import Keys
 from worker.records import as_text
+from worker.redis_client import RedisClient
 
 # KEYS: index. ARGV: score (enqueue time), job id, retention seconds, most entries kept.
 INDEX_ADD = """
@@ -78,10 +77,12 @@ class JobPage:
 
 
 class JobIndex:
-    def __init__(self, redis: Redis, keys: Keys, retention_seconds: int, max_entries: int):
+    """The index: one sorted set per queue shard (``Keys.jobs_shard``), beside the shard's
+    stream in its slot; listing merges them newest first."""
+
+    def __init__(self, redis: RedisClient, keys: Keys, retention_seconds: int, max_entries: int):
         self.redis = redis
         self.keys = keys
-        self.key = keys.jobs
         self.retention = retention_seconds
         self.max_entries = max_entries
         self._add = redis.register_script(INDEX_ADD)
@@ -91,8 +92,10 @@ class JobIndex:
         if self.max_entries <= 0:
             return
         when = time.time() if enqueued_at is None else enqueued_at
-        args: list[str | int] = [f"{when:.6f}", job_id, self.retention, self.max_entries]
-        await self._add(keys=[self.key], args=args)
+        per_shard = -(-self.max_entries // self.keys.shards)
+        args: list[str | int] = [f"{when:.6f}", job_id, self.retention, per_shard]
+        key = self.keys.jobs_shard(self.keys.shard_of(job_id))
+        await self._add(keys=[key], args=args)
 
     async def page(
         self,
@@ -106,23 +109,39 @@ class JobIndex:
         """The newest ``limit`` jobs enqueued before ``before`` that match; at most ``scan``
         index entries are examined (then ``next_before`` says where to go on)."""
         found: list[JobSummary] = []
-        newest = f"({before!r}" if before is not None else "+inf"
-        offset, last = 0, None
-        while offset < scan:
-            wanted = min(PAGE, scan - offset)
-            rows: Any = await self.redis.zrevrangebyscore(
-                self.key, newest, "-inf", start=offset, num=wanted, withscores=True
-            )
-            offset += len(rows)
+        cursor = f"({before!r}" if before is not None else "+inf"
+        examined, last = 0, None
+        while examined < scan:
+            rows, more = await self._newest(cursor, min(PAGE, scan - examined))
+            examined += len(rows)
             for (_, score), summary in zip(rows, await self._summaries(rows), strict=True):
                 last = float(score)
                 if summary is not None and _matches(summary, status, upstream):
                     found.append(summary)
                     if len(found) == limit:
                         return JobPage(found, last)
-            if len(rows) < wanted:
+            if not more or last is None:
                 return JobPage(found, None)
+            cursor = f"({last!r}"
         return JobPage(found, last)
+
+    async def _newest(self, cursor: str, count: int) -> tuple[list[Any], bool]:
+        """The newest ``count`` entries of all shards' indexes below ``cursor`` (and any that
+        tie with the last of them), newest first; whether older ones may follow."""
+        rows: list[Any] = []
+        more = False
+        for shard in range(self.keys.shards):
+            part: Any = await self.redis.zrevrangebyscore(
+                self.keys.jobs_shard(shard), cursor, "-inf", start=0, num=count, withscores=True
+            )
+            rows += part
+            more = more or len(part) == count
+        rows.sort(key=lambda row: float(row[1]), reverse=True)
+        if len(rows) > count:
+            cut = float(rows[count - 1][1])
+            kept = [row for row in rows if float(row[1]) >= cut]
+            return kept, True
+        return rows, more
 
     async def _summaries(self, rows: list[Any]) -> list[JobSummary | None]:
         if not rows:
@@ -194,7 +213,7 @@ class Progress:
 
 
 async def read_progress(
-    redis: Redis, keys: Keys, job_id: str, attempt: int, started_at: float | None
+    redis: RedisClient, keys: Keys, job_id: str, attempt: int, started_at: float | None
 ) -> Progress:
     """Counts the attempt's delta entries (reads the whole stream, in pages of 1000)."""
     counts = {"deltas": 0, "characters": 0, "reasoning": 0}

@@ -2,11 +2,22 @@
 
 Per-job keys share the hash tag ``{<job id>}`` so a job's record and events stream live in
 one Redis Cluster slot and can be written by one script.
+
+The queue is ``shards`` streams (``CHATSTREAM_QUEUE_SHARDS``, default 1). Shard 0 is
+``<p>:queue``; shard *i* > 0 is ``<p>:queue:{<tag>}``, its tag chosen so that the shards'
+slots are spread evenly over the 16,384 slots (a Cluster made by ``redis-cli --cluster
+create`` gives each master one contiguous range, so N shards on N masters land one per
+master). Each shard has a jobs index of its own (shard *i* > 0's in the shard's slot).
+See docs/redis.md.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from functools import lru_cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 GROUP = "workers"
 
@@ -14,10 +25,28 @@ GROUP = "workers"
 @dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "chatstream"
+    shards: int = 1
 
     @property
     def queue(self) -> str:
+        """Shard 0 of the queue (the whole queue when there is one shard)."""
         return f"{self.prefix}:queue"
+
+    @property
+    def queues(self) -> tuple[str, ...]:
+        """Every shard of the queue, in shard order."""
+        return tuple(self.queue_shard(shard) for shard in range(self.shards))
+
+    def queue_shard(self, shard: int) -> str:
+        return (
+            self.queue
+            if shard == 0
+            else f"{self.queue}:{{{shard_tag(self.prefix, shard, self.shards)}}}"
+        )
+
+    def shard_of(self, job_id: str) -> int:
+        """The shard ``Client.enqueue`` puts a job on (any shard works: workers read all)."""
+        return zlib.crc32(job_id.encode()) % self.shards if self.shards > 1 else 0
 
     @property
     def dead(self) -> str:
@@ -34,8 +63,16 @@ class Keys:
 
     @property
     def jobs(self) -> str:
-        """Sorted set: job id -> enqueue time (Unix seconds); the index ``jobs`` lists."""
+        """Sorted set: job id -> enqueue time (Unix seconds); shard 0's index ``jobs`` lists."""
         return f"{self.prefix}:jobs"
+
+    def jobs_shard(self, shard: int) -> str:
+        """The jobs index of the jobs enqueued on ``shard`` (in that shard's slot)."""
+        return (
+            self.jobs
+            if shard == 0
+            else f"{self.jobs}:{{{shard_tag(self.prefix, shard, self.shards)}}}"
+        )
 
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{{{job_id}}}"
@@ -50,3 +87,18 @@ class Keys:
     def gateway_wake(self, hub_id: str) -> str:
         """Stream: wakes one gateway process's reader when it follows a new job."""
         return f"{self.prefix}:gateway:wake:{hub_id}"
+
+
+@lru_cache(maxsize=4096)
+def shard_tag(prefix: str, shard: int, shards: int) -> str:
+    """The hash tag of queue shard ``shard`` > 0 of ``shards``: ``<p>:q<shard>``, or the
+    first ``<p>:q<shard>.<n>`` whose slot lies in the shard's share of the slots, counted
+    from shard 0's slot (so the shards' slots are evenly spaced)."""
+    width = REDIS_CLUSTER_HASH_SLOTS / shards
+    start = key_slot(f"{prefix}:queue".encode()) + shard * width
+    for attempt in range(1_000_000):
+        tag = f"{prefix}:q{shard}" + (f".{attempt}" if attempt else "")
+        offset = (key_slot(tag.encode()) - start) % REDIS_CLUSTER_HASH_SLOTS
+        if offset < max(width / 2, 1):
+            return tag
+    raise AssertionError("unreachable: CRC16 covers every slot")

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from worker.keys import Keys
 from worker.records import as_text
+from worker.redis_client import RedisClient
 
 log = logging.getLogger("chatstream.worker")
 
@@ -66,7 +66,7 @@ class Beat:
 
 
 class Liveness:
-    def __init__(self, redis: Redis, keys: Keys, name: str, timeout: float) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, name: str, timeout: float) -> None:
         self.redis = redis
         self.keys = keys
         self.name = name

@@ -48,12 +48,12 @@ from prometheus_client import (
     make_asgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas.jobs import TERMINAL
 from worker.errors import ChatstreamError, ProtocolError, UpstreamError
 from worker.keys import Keys
+from worker.redis_client import RedisClient
 from worker.runtime import redis_location
 from worker.stats import QueueCounts, queue_counts
 
@@ -348,7 +348,7 @@ class Metrics:
         self.publish_batch.observe(size)
         self.publish_seconds.observe(seconds)
 
-    async def refresh_queue(self, redis: Redis, keys: Keys) -> None:
+    async def refresh_queue(self, redis: RedisClient, keys: Keys) -> None:
         self.queue.counts = await queue_counts(redis, keys)
 
 
@@ -361,7 +361,7 @@ class MetricsServer:
     def __init__(
         self,
         metrics: Metrics,
-        redis: Redis,
+        redis: RedisClient,
         stopping: asyncio.Event,
         cannot_consume: Callable[[], str | None] = lambda: None,
     ) -> None:

@@ -31,12 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from worker.accumulator import Delta
-from worker.batch import BatchSender, Command, default_sender
+from worker.batch import BatchSender, Command, ConnectionSender, PipelineSender
+from worker.cluster_batch import ClusterSender
 from worker.records import ALREADY, NOT_YET, STALE, WRITTEN, Records, dumps
+from worker.redis_client import RedisClient, is_fake
 from worker.retry import REDIS_WAIT, pause
 from worker.tasks import cancel_and_wait
 
@@ -115,7 +117,7 @@ Op = tuple[JobStream, str, int]
 class Publisher:
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         records: Records,
         max_batch: int = 1000,
         on_batch: BatchObserver | None = None,
@@ -293,3 +295,14 @@ class Publisher:
         flat = [item for pair in term.fields.items() for item in pair]
         data = dumps(term.event_data)
         return [term.event_type, data, self._records.retention, *flat]
+
+
+def default_sender(redis: RedisClient) -> BatchSender:
+    """:class:`ConnectionSender`; on a Cluster, :class:`ClusterSender` (a connection per
+    master); for an in-process stand-in Redis (fakeredis: the demo), which has no
+    connection of its own to make, :class:`PipelineSender`."""
+    if isinstance(redis, RedisCluster):
+        return ClusterSender(redis)
+    if is_fake(redis):
+        return PipelineSender(redis)
+    return ConnectionSender(redis)

@@ -1,4 +1,4 @@
-"""The job queue: one Redis Stream read through the consumer group ``workers``.
+"""The job queue: Redis Streams (one per shard) read through the consumer group ``workers``.
 
 An entry ``{job: <id>}`` stands for "run this job". A worker reads entries with
 XREADGROUP (blocking, at most as many as it has free slots); the entry then sits in the
@@ -13,21 +13,23 @@ worker never acks an entry another worker took over. A consumer group that vanis
 restarted empty) is recreated by the next read. The dead-letter stream lists jobs that
 exhausted their attempts. See docs/reliability.md.
 
-Every script touches the queue stream only (one key, one Cluster slot).
+Every script touches one shard's stream only (one key, one Cluster slot).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from worker.keys import GROUP, Keys
 from worker.records import as_text, dumps
+from worker.redis_client import RedisClient
+from worker.tasks import cancel_and_wait
 
 log = logging.getLogger("chatstream.queue")
 
@@ -115,6 +117,13 @@ class Entry:
     entry_id: str
     job_id: str | None  # None when the entry is garbage (no ``job`` field)
     raw: dict[str, str]
+    shard: int = 0
+
+    @property
+    def ref(self) -> str:
+        """The entry's name across shards (stream ids repeat between streams): its id on
+        shard 0, ``<shard>/<id>`` on the others. The record's ``entry`` field holds it."""
+        return self.entry_id if self.shard == 0 else f"{self.shard}/{self.entry_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +136,18 @@ class DeadLetter:
 
 
 class Queue:
-    def __init__(self, redis: Redis, keys: Keys, consumer: str) -> None:
+    """The consumer group on every shard of the queue (``Keys.queues``).
+
+    With one shard, reads block on it. With several, a read first takes what is waiting on
+    each shard in turn (starting one shard further each time, so none is favoured), and
+    only when all are empty waits on all of them at once: one blocking read per shard, each
+    for its share of the free slots, on connections of their own. A blocking read that
+    outlives the call is picked up by the next one, so a worker may hold up to one entry per
+    shard beyond its free slots (they wait for a slot, leased). Every script touches one
+    shard (one key, one Cluster slot).
+    """
+
+    def __init__(self, redis: RedisClient, keys: Keys, consumer: str) -> None:
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
@@ -137,102 +157,189 @@ class Queue:
         self._prune = redis.register_script(PRUNE)
         self._claim_for_start = redis.register_script(CLAIM_FOR_START)
         self._take_over = redis.register_script(TAKE_OVER)
-        self._reclaim_cursor = "0-0"
+        self._reclaim_cursor = ["0-0"] * keys.shards
+        self._reclaim_shard = 0
+        self._next_shard = 0
+        self._waiting: dict[int, asyncio.Task[list[Entry]]] = {}
+
+    @property
+    def shards(self) -> range:
+        return range(self.keys.shards)
+
+    def _rotation(self) -> list[int]:
+        """Every shard once, starting one further than last time."""
+        first, self._next_shard = self._next_shard, (self._next_shard + 1) % self.keys.shards
+        return [(first + i) % self.keys.shards for i in self.shards]
 
     async def ensure_group(self) -> None:
-        """Create the consumer group (and the stream) unless it exists; from entry 0, so
-        entries added before it are delivered too."""
+        """Create the consumer group (and the stream) of every shard unless it exists; from
+        entry 0, so entries added before it are delivered too."""
+        for shard in self.shards:
+            await self._ensure_group(shard)
+
+    async def _ensure_group(self, shard: int) -> None:
         try:
-            await self.redis.xgroup_create(self.keys.queue, GROUP, id="0", mkstream=True)
+            await self.redis.xgroup_create(
+                self.keys.queue_shard(shard), GROUP, id="0", mkstream=True
+            )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def _recreate_group(self, exc: ResponseError) -> None:
+    async def _recreate_group(self, shard: int, exc: ResponseError) -> None:
         log.warning("the queue's consumer group is gone (%s); recreating it", exc)
-        await self.ensure_group()
-        self._reclaim_cursor = "0-0"
+        await self._ensure_group(shard)
+        self._reclaim_cursor[shard] = "0-0"
 
     async def add(self, job_id: str) -> str:
-        return as_text(await self.redis.xadd(self.keys.queue, {"job": job_id}))
+        """A queue entry for the job, on its shard (``Keys.shard_of``)."""
+        key = self.keys.queue_shard(self.keys.shard_of(job_id))
+        return as_text(await self.redis.xadd(key, {"job": job_id}))
 
     async def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries for this consumer; waits up to ``block_ms`` when there are none (None:
-        does not wait). Recreates the group if it is gone (then returns nothing)."""
+        """New entries for this consumer, at most ``count``; waits up to ``block_ms`` when
+        there are none (None: does not wait). Recreates a group that is gone."""
+        if self.keys.shards == 1:
+            return await self._read_shard(0, count, block_ms)
+        entries = self._ready()
+        for shard in self._rotation():
+            if len(entries) >= count:
+                return entries
+            if shard not in self._waiting:
+                entries += await self._read_shard(shard, count - len(entries), None)
+        if entries or block_ms is None:
+            return entries
+        return await self._wait_any(count, block_ms)
+
+    def _ready(self) -> list[Entry]:
+        """What blocking reads left by an earlier call delivered since."""
+        entries: list[Entry] = []
+        for shard, task in list(self._waiting.items()):
+            if task.done():
+                del self._waiting[shard]
+                if not task.cancelled() and task.exception() is None:
+                    entries += task.result()
+        return entries
+
+    async def _wait_any(self, count: int, block_ms: int) -> list[Entry]:
+        share = max(1, count // self.keys.shards)
+        for shard in self.shards:
+            if shard not in self._waiting:
+                read = self._read_shard(shard, share, block_ms)
+                self._waiting[shard] = asyncio.create_task(read, name=f"queue-read-{shard}")
+        done, _ = await asyncio.wait(self._waiting.values(), return_when=asyncio.FIRST_COMPLETED)
+        failed = [task.exception() for task in done if not task.cancelled()]
+        entries = self._ready()
+        if not entries and (error := next((exc for exc in failed if exc is not None), None)):
+            raise error
+        return entries
+
+    async def _read_shard(self, shard: int, count: int, block_ms: int | None) -> list[Entry]:
+        key = self.keys.queue_shard(shard)
         try:
             reply: Any = await self.redis.xreadgroup(
-                GROUP, self.consumer, {self.keys.queue: ">"}, count=count, block=block_ms
+                GROUP, self.consumer, {key: ">"}, count=count, block=block_ms
             )
         except ResponseError as exc:
             if not _no_group(exc):
                 raise
-            await self._recreate_group(exc)
+            await self._recreate_group(shard, exc)
             return []
-        return [_entry(eid, fields) for _, entries in reply or [] for eid, fields in entries]
+        return [_entry(eid, fields, shard) for _, rows in _streams(reply) for eid, fields in rows]
+
+    async def close(self) -> None:
+        """Stop the blocking reads still waiting (what they were delivered is handed back
+        or reclaimed: it is in this consumer's pending list)."""
+        await cancel_and_wait(list(self._waiting.values()))
+        self._waiting.clear()
 
     async def reclaim(self, count: int, lease_ms: int) -> list[Entry]:
         """Entries whose owner stopped renewing them for longer than the lease.
 
-        XAUTOCLAIM scans a window of the pending list per call; the cursor carries over
-        between calls, so expired entries deep in a long pending list are found too.
+        XAUTOCLAIM scans a window of one shard's pending list per call; the cursor carries
+        over between calls, and the next shard's turn comes when a shard's scan wrapped, so
+        expired entries deep in a long pending list, or on any shard, are found too.
         """
+        shard = self._reclaim_shard
+        key = self.keys.queue_shard(shard)
         try:
             reply: Any = await self.redis.xautoclaim(
-                self.keys.queue, GROUP, self.consumer, lease_ms, self._reclaim_cursor, count=count
+                key, GROUP, self.consumer, lease_ms, self._reclaim_cursor[shard], count=count
             )
         except ResponseError as exc:
             if not _no_group(exc):
                 raise
-            await self._recreate_group(exc)
+            await self._recreate_group(shard, exc)
             return []
-        self._reclaim_cursor = as_text(reply[0])
-        return [_entry(eid, fields) for eid, fields in reply[1] if fields is not None]
+        self._reclaim_cursor[shard] = as_text(reply[0])
+        if self._reclaim_cursor[shard] == "0-0":
+            self._reclaim_shard = (shard + 1) % self.keys.shards
+        return [_entry(eid, fields, shard) for eid, fields in reply[1] if fields is not None]
 
-    async def renew(self, entry_ids: list[str]) -> list[str]:
-        """Reset the idle time of our entries; returns the ids another worker took."""
-        if not entry_ids:
-            return []
-        lost = await self._renew(keys=[self.keys.queue], args=[GROUP, self.consumer, *entry_ids])
-        return [as_text(x) for x in lost]
+    async def renew(self, entries: list[Entry]) -> list[str]:
+        """Reset the idle time of our entries; returns the refs of those another worker took."""
+        lost: list[str] = []
+        for shard, ids in _by_shard(entries).items():
+            args = [GROUP, self.consumer, *ids]
+            taken = await self._renew(keys=[self.keys.queue_shard(shard)], args=args)
+            lost += [Entry(as_text(x), None, {}, shard).ref for x in taken]
+        return lost
 
-    async def claim_for_start(self, entry_id: str, lease_ms: int) -> int:
+    async def claim_for_start(self, entry: Entry, lease_ms: int) -> int:
         """The entry's delivery count if it is ours and was delivered (or renewed) less than
         ``lease_ms`` ago, renewing it; 0 when it must not start (taken over, or a delivery a
         frozen process read late)."""
-        args: list[str | int] = [GROUP, self.consumer, entry_id, lease_ms]
-        return int(await self._claim_for_start(keys=[self.keys.queue], args=args))
+        args: list[str | int] = [GROUP, self.consumer, entry.entry_id, lease_ms]
+        key = self.keys.queue_shard(entry.shard)
+        return int(await self._claim_for_start(keys=[key], args=args))
 
     async def take_over(self, consumer: str, count: int) -> tuple[list[Entry], bool]:
         """Claim up to ``count`` entries of a dead consumer; also whether it holds no more."""
-        args: list[str | int] = [GROUP, self.consumer, consumer, count]
-        claimed, emptied = await self._take_over(keys=[self.keys.queue], args=args)
-        entries = [_entry(row[0], _pairs(row[1])) for row in claimed if row and row[1]]
-        return entries, int(emptied) == 1
+        taken: list[Entry] = []
+        emptied = True
+        for shard in self.shards:
+            if len(taken) >= count:
+                return taken, False
+            args: list[str | int] = [GROUP, self.consumer, consumer, count - len(taken)]
+            claimed, empty = await self._take_over(keys=[self.keys.queue_shard(shard)], args=args)
+            taken += [_entry(row[0], _pairs(row[1]), shard) for row in claimed if row and row[1]]
+            emptied = emptied and int(empty) == 1
+        return taken, emptied
 
-    async def owned(self, max_idle_ms: int | None = None, count: int = 10_000) -> list[str]:
-        """Ids of the entries this consumer holds, optionally only those idle < max_idle_ms."""
-        rows = await self.redis.xpending_range(
-            self.keys.queue, GROUP, min="-", max="+", count=count, consumername=self.consumer
-        )
-        return [
-            as_text(row["message_id"])
-            for row in rows
-            if max_idle_ms is None or int(row["time_since_delivered"]) < max_idle_ms
-        ]
+    async def owned(self, max_idle_ms: int | None = None, count: int = 10_000) -> list[Entry]:
+        """The entries this consumer holds (without fields), optionally only those idle less
+        than ``max_idle_ms``."""
+        held: list[Entry] = []
+        for shard in self.shards:
+            rows = await self.redis.xpending_range(
+                self.keys.queue_shard(shard),
+                GROUP,
+                min="-",
+                max="+",
+                count=count,
+                consumername=self.consumer,
+            )
+            held += [
+                Entry(as_text(row["message_id"]), None, {}, shard)
+                for row in rows
+                if max_idle_ms is None or int(row["time_since_delivered"]) < max_idle_ms
+            ]
+        return held
 
     async def stranded(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """Entries this consumer holds that nobody renewed for ``min_idle_ms``: delivered by
         a read whose reply was lost (Redis restarting), so the worker never saw them. They
         are claimed again (which renews them) and returned with their fields."""
+        found: list[Entry] = []
+        for shard in self.shards:
+            found += await self._stranded(shard, min_idle_ms, count)
+        return found
+
+    async def _stranded(self, shard: int, min_idle_ms: int, count: int) -> list[Entry]:
+        key = self.keys.queue_shard(shard)
         try:
             rows = await self.redis.xpending_range(
-                self.keys.queue,
-                GROUP,
-                "-",
-                "+",
-                count,
-                consumername=self.consumer,
-                idle=min_idle_ms,
+                key, GROUP, "-", "+", count, consumername=self.consumer, idle=min_idle_ms
             )
         except ResponseError as exc:
             if not _no_group(exc):
@@ -241,36 +348,43 @@ class Queue:
         if not rows:
             return []
         ids: list[Any] = [as_text(row["message_id"]) for row in rows]
-        claimed: Any = await self.redis.xclaim(
-            self.keys.queue, GROUP, self.consumer, min_idle_ms, ids
-        )
-        return [_entry(eid, fields) for eid, fields in claimed if fields is not None]
+        claimed: Any = await self.redis.xclaim(key, GROUP, self.consumer, min_idle_ms, ids)
+        return [_entry(eid, fields, shard) for eid, fields in claimed if fields is not None]
 
-    async def ack(self, entry_id: str) -> bool:
+    async def ack(self, entry: Entry) -> bool:
         """Ack and delete the entry if it is still ours (not taken over by another worker)."""
-        args = [GROUP, self.consumer, entry_id, ""]
-        return int(await self._settle(keys=[self.keys.queue], args=args)) != 0
+        args = [GROUP, self.consumer, entry.entry_id, ""]
+        key = self.keys.queue_shard(entry.shard)
+        return int(await self._settle(keys=[key], args=args)) != 0
 
-    async def requeue(self, entry_id: str, job_id: str) -> str | None:
-        """Hand a job back at once: a fresh entry replaces ours (None: it is not ours)."""
-        args = [GROUP, self.consumer, entry_id, job_id]
-        fresh = await self._settle(keys=[self.keys.queue], args=args)
+    async def requeue(self, entry: Entry, job_id: str) -> str | None:
+        """Hand a job back at once: a fresh entry on the same shard replaces ours (None: it
+        is not ours)."""
+        args = [GROUP, self.consumer, entry.entry_id, job_id]
+        fresh = await self._settle(keys=[self.keys.queue_shard(entry.shard)], args=args)
         return None if fresh == 0 else as_text(fresh)
 
-    async def job_of(self, entry_id: str) -> str | None:
+    async def job_of(self, entry: Entry) -> str | None:
         """The job id of an entry still in the stream."""
-        rows: Any = await self.redis.xrange(self.keys.queue, entry_id, entry_id)
+        key = self.keys.queue_shard(entry.shard)
+        rows: Any = await self.redis.xrange(key, entry.entry_id, entry.entry_id)
         return _entry(*rows[0]).job_id if rows else None
 
     async def leave(self) -> bool:
-        """Remove this consumer from the group if it holds no entries (clean shutdown)."""
-        result = await self._leave(keys=[self.keys.queue], args=[GROUP, self.consumer])
-        return int(result) == 1
+        """Remove this consumer from every shard's group if it holds no entries there
+        (clean shutdown); True when it left them all."""
+        left = True
+        for key in self.keys.queues:
+            left = int(await self._leave(keys=[key], args=[GROUP, self.consumer])) == 1 and left
+        return left
 
     async def prune(self, idle_ms: int) -> int:
         """Remove the consumers of dead workers (no entries, idle ``idle_ms``); how many."""
         args: list[str | int] = [GROUP, idle_ms, self.consumer]
-        return int(await self._prune(keys=[self.keys.queue], args=args))
+        removed = 0
+        for key in self.keys.queues:
+            removed += int(await self._prune(keys=[key], args=args))
+        return removed
 
     # -- dead letters ----------------------------------------------------------------------
 
@@ -298,6 +412,20 @@ class Queue:
         return len(ids)
 
 
+def _by_shard(entries: list[Entry]) -> dict[int, list[str]]:
+    grouped: dict[int, list[str]] = {}
+    for entry in entries:
+        grouped.setdefault(entry.shard, []).append(entry.entry_id)
+    return grouped
+
+
+def _streams(reply: Any) -> list[tuple[Any, Any]]:
+    """XREADGROUP's reply as (key, entries) pairs (RESP2 gives a list, RESP3 a dict)."""
+    if not reply:
+        return []
+    return list(reply.items()) if isinstance(reply, dict) else [(k, r) for k, r in reply]
+
+
 def _no_group(exc: ResponseError) -> bool:
     return str(exc).startswith("NOGROUP")
 
@@ -309,9 +437,9 @@ def _pairs(flat: Any) -> dict[Any, Any]:
     return dict(zip(flat[0::2], flat[1::2], strict=True))
 
 
-def _entry(entry_id: Any, fields: dict[Any, Any]) -> Entry:
+def _entry(entry_id: Any, fields: dict[Any, Any], shard: int = 0) -> Entry:
     raw = {as_text(k): as_text(v) for k, v in fields.items()}
-    return Entry(as_text(entry_id), raw.get("job"), raw)
+    return Entry(as_text(entry_id), raw.get("job"), raw, shard)
 
 
 def _dead(entry_id: Any, fields: dict[Any, Any]) -> DeadLetter:

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from schemas.jobs import OUTPUT_FIELDS
 from worker.batch import Command
 from worker.keys import Keys
+from worker.redis_client import RedisClient
 
 JSONish = dict[str, Any]
 
@@ -224,7 +224,7 @@ class Started:
 class Records:
     """The fenced record/stream operations, as registered Lua scripts."""
 
-    def __init__(self, redis: Redis, keys: Keys, retention_seconds: int) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, retention_seconds: int) -> None:
         self.redis = redis
         self.keys = keys
         self.retention = retention_seconds

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from schemas.jobs import TERMINAL
@@ -38,6 +38,7 @@ from worker.pipeline import JobRun, Outcome, Services, log_failure, run_job
 from worker.publisher import Publisher
 from worker.queue import Entry, Queue
 from worker.records import Records, Started, as_text
+from worker.redis_client import RedisClient
 from worker.retry import REDIS_WAIT, often_enough, pause, retry_redis
 from worker.runtime import default_upstream_unset, startup_summary
 from worker.settings import Settings
@@ -74,14 +75,14 @@ class Worker:
     def __init__(
         self,
         settings: Settings,
-        redis: Redis,
+        redis: RedisClient,
         upstream: UpstreamClient | None = None,
         name: str | None = None,
     ) -> None:
         self.settings = settings
         self.redis = redis
         self.name = name or worker_name()
-        self.keys = Keys(settings.prefix)
+        self.keys = Keys(settings.prefix, settings.queue_shards)
         self.records = Records(redis, self.keys, settings.retention_seconds)
         self.queue = Queue(redis, self.keys, self.name)
         self.metrics = Metrics(
@@ -120,6 +121,8 @@ class Worker:
                 self.metrics, self.redis, self.stopping, lambda: self.cannot_consume
             )
             await self.http.start(self.settings.metrics_host, self.settings.metrics_port)
+        if isinstance(self.redis, RedisCluster):
+            await self.redis.initialize()  # the slot map, before commands run concurrently
         await self.queue.ensure_group()
         await self.records.load_scripts()
         await self.liveness.load()
@@ -168,6 +171,7 @@ class Worker:
             )
             await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_seconds)
         await self._release_all()
+        await self.queue.close()
         await self._requeue_unstarted()
         await cancel_and_wait(self._background)
         await self.publisher.stop()
@@ -247,15 +251,15 @@ class Worker:
         return int(self.settings.lease_seconds * 1000)
 
     def _launch(self, entry: Entry) -> None:
-        if entry.entry_id in self.running:
+        if entry.ref in self.running:
             return  # our own entry, reclaimed by us after a stall: its task still runs it
         task = asyncio.create_task(self._handle(entry), name=f"job-{entry.job_id}")
         # registered before it runs, so its lease is renewed from the first moment
-        self.running[entry.entry_id] = Running(entry, task)
+        self.running[entry.ref] = Running(entry, task)
 
     async def _handle(self, entry: Entry) -> None:
         logs.bind(worker=self.name, job=entry.job_id)  # this task's log lines carry the job
-        run = self.running[entry.entry_id]
+        run = self.running[entry.ref]
         try:
             await self._run_entry(run)
         except Exception:
@@ -263,7 +267,7 @@ class Worker:
         finally:
             if run.holds_slot:
                 self.slots.release()
-            self.running.pop(entry.entry_id, None)
+            self.running.pop(entry.ref, None)
             self.processed += 1
             self._slot_freed.set()
 
@@ -274,25 +278,25 @@ class Worker:
         hands the entry back."""
         entry, job_id = run.entry, run.entry.job_id
         if job_id is None:
-            log.error("dropping queue entry %s without a job id: %r", entry.entry_id, entry.raw)
-            await retry_redis("dropping", lambda: self.queue.ack(entry.entry_id))
+            log.error("dropping queue entry %s without a job id: %r", entry.ref, entry.raw)
+            await retry_redis("dropping", lambda: self.queue.ack(entry))
             return
         delivery = await retry_redis(
             f"job {job_id}: claiming",
-            lambda: self.queue.claim_for_start(entry.entry_id, self._lease_ms),
+            lambda: self.queue.claim_for_start(entry, self._lease_ms),
         )
         if not delivery:
             log.warning(
                 "job %s: queue entry %s is no longer ours, or was delivered more than a lease "
                 "ago (a late read); not starting it",
                 job_id,
-                entry.entry_id,
+                entry.ref,
             )
             return
         run.claimed = True
         await self.slots.acquire()
         run.holds_slot = True
-        started = await self._start(job_id, entry.entry_id, delivery)
+        started = await self._start(job_id, entry.ref, delivery)
         if started.state != "started":
             await retry_redis(f"job {job_id}: skipping", lambda: self._skip(entry, started))
             return
@@ -303,12 +307,12 @@ class Worker:
         outcome = await run_job(self.services, job)
         await retry_redis(f"job {job_id}: settling", lambda: self._settle(run, job, outcome))
 
-    async def _start(self, job_id: str, entry_id: str, delivery: int) -> Started:
+    async def _start(self, job_id: str, entry_ref: str, delivery: int) -> Started:
         max_attempts, token = self.settings.max_attempts, secrets.token_hex(8)
         return await retry_redis(
             f"job {job_id}: starting",
             lambda: self.records.start(
-                job_id, self.name, max_attempts, entry_id, token, delivery=delivery
+                job_id, self.name, max_attempts, entry_ref, token, delivery=delivery
             ),
         )
 
@@ -338,23 +342,21 @@ class Worker:
             log.warning(
                 "job %s: entry %s was delivered again since; the newer delivery runs it",
                 job_id,
-                entry.entry_id,
+                entry.ref,
             )
             return  # not ours to ack
         if started.state == "missing":
             log.error("job %s has no record (expired or never created); dropping", job_id)
             self.metrics.job_missing()
         elif started.state == "busy":
-            log.warning(
-                "job %s runs under another queue entry; dropping %s", job_id, entry.entry_id
-            )
+            log.warning("job %s runs under another queue entry; dropping %s", job_id, entry.ref)
         elif started.state in ("exhausted", "invalid"):  # failed by the start script
             logs.set_attempt(started.attempt)
             log_failure(job_id, started.attempt, started.upstream, json.loads(started.error))
             self.metrics.job_failed_unstarted()
         if started.dead_pending:
             await self._dead_letter(job_id, started.attempt)
-        await self.queue.ack(entry.entry_id)
+        await self.queue.ack(entry)
 
     async def _dead_letter(self, job_id: str, attempt: int) -> None:
         reason = {"code": "attempts_exhausted", "attempts": attempt}
@@ -363,14 +365,14 @@ class Worker:
 
     async def _settle(self, run: Running, job: JobRun, outcome: Outcome) -> None:
         if outcome is Outcome.FINISHED:
-            await self.queue.ack(run.entry.entry_id)
+            await self.queue.ack(run.entry)
         elif outcome is Outcome.RELEASED and not run.lost:
             if await self.records.release(job.job_id, job.attempt):
-                await self._requeue(run.entry.entry_id, job.job_id)
+                await self._requeue(run.entry, job.job_id)
         else:  # STALE or lost: a newer attempt owns the job, it ended, or its record is gone
-            await self._close_if_ended(run.entry.entry_id, job.job_id, job.attempt)
+            await self._close_if_ended(run.entry, job.job_id, job.attempt)
 
-    async def _close_if_ended(self, entry_id: str, job_id: str, attempt: int) -> None:
+    async def _close_if_ended(self, entry: Entry, job_id: str, attempt: int) -> None:
         """Ack the entry of a job that reached a terminal state (a retried terminal write
         finds its own first write); leave it alone while a newer attempt runs."""
         status, dead_pending = await self.records.closing_state(job_id)
@@ -380,11 +382,11 @@ class Worker:
             log.error("job %s: its record is gone (expired, or lost by Redis); dropping", job_id)
             self.metrics.job_missing()
         if status in TERMINAL_STATUSES or status == "missing":
-            await self.queue.ack(entry_id)
+            await self.queue.ack(entry)
 
-    async def _requeue(self, entry_id: str, job_id: str) -> None:
-        if await self.queue.requeue(entry_id, job_id) is None:
-            log.info("job %s: entry %s was taken over; not requeued", job_id, entry_id)
+    async def _requeue(self, entry: Entry, job_id: str) -> None:
+        if await self.queue.requeue(entry, job_id) is None:
+            log.info("job %s: entry %s was taken over; not requeued", job_id, entry.ref)
 
     def _release(self, runs: list[Running]) -> None:
         """Cancel these jobs; those that started give their attempt back to the queue."""
@@ -407,13 +409,13 @@ class Worker:
         starts cancelled midway, tasks that died. Only entries well inside their lease:
         older ones may be being taken over right now, and reclaim does that anyway."""
         try:
-            for entry_id in await self.queue.owned(max_idle_ms=self._lease_ms * 2 // 3):
-                job_id = await self.queue.job_of(entry_id)
+            for entry in await self.queue.owned(max_idle_ms=self._lease_ms * 2 // 3):
+                job_id = await self.queue.job_of(entry)
                 if job_id is None:
-                    await self.queue.ack(entry_id)
+                    await self.queue.ack(entry)
                     continue
-                await self.records.hand_back(job_id, entry_id)
-                await self._requeue(entry_id, job_id)
+                await self.records.hand_back(job_id, entry.ref)
+                await self._requeue(entry, job_id)
         except RedisError as exc:
             log.warning("could not hand back pending entries: %s", exc)
 
@@ -482,10 +484,10 @@ class Worker:
         return taken
 
     async def _renew_leases(self) -> None:
-        claimed = [entry_id for entry_id, run in self.running.items() if run.claimed]
+        claimed = [run.entry for run in self.running.values() if run.claimed]
         lost = await self.queue.renew(claimed)
-        for entry_id in lost:
-            run = self.running.get(entry_id)
+        for ref in lost:
+            run = self.running.get(ref)
             if run is not None:
                 attempt = run.job.attempt if run.job is not None else None
                 with logs.job_context(run.entry.job_id, attempt):
@@ -502,11 +504,11 @@ class Worker:
         if self.stopping.is_set():
             return
         for entry in await self.queue.stranded(self._lease_ms // 2):
-            if entry.entry_id not in self.running:
+            if entry.ref not in self.running:
                 with logs.job_context(entry.job_id):
                     log.warning(
                         "queue entry %s (job %s) was never seen; running it now",
-                        entry.entry_id,
+                        entry.ref,
                         entry.job_id,
                     )
                 self._launch(entry)
@@ -581,7 +583,7 @@ class Worker:
             await self.queue.leave()  # only when we hold no entries
 
 
-async def serve(settings: Settings, redis: Redis) -> None:
+async def serve(settings: Settings, redis: RedisClient) -> None:
     """Run a worker until SIGTERM/SIGINT; a second signal exits at once."""
     worker = Worker(settings, redis)
     loop = asyncio.get_running_loop()

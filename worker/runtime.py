@@ -14,38 +14,25 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
+from worker.redis_client import RedisClient, is_fake
 from worker.settings import DEFAULT_UPSTREAM, Settings
 from worker.speedups import chosen_transport
-
-SECRET_QUERY_PARAMS = frozenset({"password", "ssl_password"})
-
-
-def redacted_url(url: str) -> str:
-    """The URL without its passwords (in the user info or the query string)."""
-    scheme, sep, rest = url.partition("://")
-    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
-    netloc, tail = rest[: min(ends, default=len(rest))], rest[min(ends, default=len(rest)) :]
-    auth, at, host = netloc.rpartition("@")  # like urllib: the last "@" ends the user info
-    if at:
-        user = auth.split(":", 1)[0]
-        netloc = f"{user}{':***' if ':' in auth else ''}@{host}"
-    path, question, query = tail.partition("?")
-    if question:
-        params = [_redacted_param(param) for param in query.split("&")]
-        tail = f"{path}?{'&'.join(params)}"
-    return f"{scheme}{sep}{netloc}{tail}"
+from worker.urls import parse_redis_url, redacted_url
 
 
-def _redacted_param(param: str) -> str:
-    name, eq, _ = param.partition("=")
-    return f"{name}=***" if eq and name.lower() in SECRET_QUERY_PARAMS else param
-
-
-def redis_location(redis: Redis) -> str:
-    """``host:port/db`` (or the socket path) of a client, from its pool's settings."""
-    kwargs: dict[str, Any] = getattr(redis.connection_pool, "connection_kwargs", {})
+def redis_location(redis: RedisClient) -> str:
+    """``host:port/db`` (or the socket path) of a client, from its pool's settings; the
+    nodes of a cluster; the service of a Sentinel-managed client."""
+    if isinstance(redis, RedisCluster):
+        nodes = redis.get_primaries() or redis.startup_nodes
+        return "cluster " + ",".join(f"{node.host}:{node.port}" for node in nodes)
+    pool = redis.connection_pool
+    if isinstance(pool, SentinelConnectionPool):
+        return f"sentinel service {pool.service_name}"
+    kwargs: dict[str, Any] = getattr(pool, "connection_kwargs", {})
     db = kwargs.get("db", 0)
     if "path" in kwargs:
         return f"unix:{kwargs['path']}/{db}"
@@ -58,7 +45,7 @@ class RuntimeChoices:
     redis_parser: str  # "hiredis", "python" (redis-py's own) or "fakeredis"
 
 
-def runtime_choices(redis: Redis) -> RuntimeChoices:
+def runtime_choices(redis: RedisClient) -> RuntimeChoices:
     """The event loop this code runs on and the reply parser ``redis`` uses.
 
     Call it inside the running loop. The parser is the connection class's ``parser_class``
@@ -69,26 +56,31 @@ def runtime_choices(redis: Redis) -> RuntimeChoices:
     return RuntimeChoices(event_loop, _parser_name(redis))
 
 
-def _parser_name(redis: Redis) -> str:
+def _parser_name(redis: RedisClient) -> str:
     from redis.asyncio.connection import DefaultParser
 
-    pool = redis.connection_pool
-    if type(pool).__module__.startswith("fakeredis") or "fakeredis" in str(
-        getattr(pool, "connection_class", "")
-    ):
+    if is_fake(redis):
         return "fakeredis"
-    parser = getattr(pool, "connection_kwargs", {}).get("parser_class", DefaultParser)
+    if isinstance(redis, RedisCluster):  # the cluster client takes redis-py's default
+        parser = DefaultParser
+    else:
+        parser = redis.connection_pool.connection_kwargs.get("parser_class", DefaultParser)
     return "hiredis" if "hiredis" in parser.__name__.lower() else "python"
 
 
 def _redis_description(settings: Settings) -> str:
-    url = urlsplit(settings.redis_url)
+    parsed = parse_redis_url(settings.redis_url)
+    url = urlsplit(parsed.url)
     if url.scheme == "unix":
         return f"unix:{url.path}"
     db = url.path.strip("/") or "0"
     user = f"{url.username}@" if url.username else ""
-    tls = "on" if url.scheme == "rediss" else "off"
-    return f"{user}{url.hostname}:{url.port or 6379}/{db} tls={tls}"
+    tls = "on" if parsed.tls else "off"
+    if parsed.kind == "single":
+        return f"{user}{url.hostname}:{url.port or 6379}/{db} tls={tls}"
+    nodes = ",".join(f"{host}:{port}" for host, port in parsed.nodes)
+    service = f" service={parsed.service}/{db}" if parsed.kind == "sentinel" else ""
+    return f"{parsed.kind} {user}{nodes}{service} tls={tls}"
 
 
 def upstream_urls(settings: Settings) -> dict[str, str]:
@@ -103,7 +95,9 @@ def default_upstream_unset(settings: Settings) -> bool:
     )
 
 
-def startup_summary(settings: Settings, redis: Redis, worker: str) -> tuple[str, dict[str, Any]]:
+def startup_summary(
+    settings: Settings, redis: RedisClient, worker: str
+) -> tuple[str, dict[str, Any]]:
     """The start-up line and the same facts as fields (for JSON logs)."""
     choices = runtime_choices(redis)
     upstreams = upstream_urls(settings)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validat
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from worker.errors import ConfigError, UnknownUpstreamError
+from worker.urls import parse_redis_url
 
 DEFAULT_UPSTREAM = "default"
 
@@ -37,9 +38,10 @@ class Settings(BaseSettings):
 
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
-        pattern=r"^(redis|rediss|unix)://",
-        description="Redis URL: redis://, rediss:// (TLS) or unix://; user and password "
-        "for ACLs go in the URL.",
+        description="Redis URL: redis://, rediss:// (TLS) or unix:// for one server (a "
+        "Cluster node is detected); redis+cluster://h:p,h:p for a Cluster; "
+        "redis+sentinel://h:p,h:p/<service>[/<db>] for Sentinel (rediss+... with TLS). User "
+        "and password for ACLs go in the URL.",
     )
     prefix: str = Field(
         "chatstream",
@@ -102,6 +104,28 @@ class Settings(BaseSettings):
         le=10_000,
         description="Connections per process to Redis at most; beyond it a Redis call waits "
         "for a free one (a blocking pool) instead of failing.",
+    )
+    queue_shards: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Streams the queue is split over, each on its own Cluster slot; jobs "
+        "are spread by id and workers read every shard. Producers, workers and clients must "
+        "agree on it (docs/scaling.md).",
+    )
+    redis_wait_replicas: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Replicas that must acknowledge an enqueue and a job's terminal write "
+        "(Redis WAIT) before they count as done; 0: no waiting (asynchronous replication, "
+        "docs/reliability.md).",
+    )
+    redis_wait_timeout_ms: int = Field(
+        2_000,
+        ge=1,
+        le=60_000,
+        description="How long one WAIT for `redis_wait_replicas` replicas may take, ms.",
     )
     block_ms: int = Field(
         2_000,
@@ -265,6 +289,15 @@ class Settings(BaseSettings):
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_parses(cls, value: str) -> str:
+        try:
+            parse_redis_url(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc).removeprefix("CHATSTREAM_REDIS_URL: ")) from None
         return value
 
     @model_validator(mode="after")

@@ -1,10 +1,11 @@
 """``chatstream stats``: the queue and the fleet at a glance, read from Redis.
 
 Queue length (XLEN: entries waiting plus entries delivered and not yet acked), pending
-entries per consumer (XPENDING summary), live workers (heartbeats in the workers zset
-newer than the lease: three missed heartbeats), dead letters, and the age of the oldest
-job still waiting for delivery. Ages are measured against the Redis server's clock
-(stream ids are Redis time; heartbeats are the workers' wall clocks).
+entries per consumer (XPENDING summary), both summed over the queue's shards, live workers
+(heartbeats in the workers zset newer than the lease: three missed heartbeats), dead
+letters, and the age of the oldest job still waiting for delivery (on any shard). Ages are
+measured against the Redis server's clock (stream ids are Redis time; heartbeats are the
+workers' wall clocks).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from worker.keys import GROUP, Keys
 from worker.records import as_text
+from worker.redis_client import RedisClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +44,19 @@ class Stats:
         return asdict(self)
 
 
-async def queue_counts(redis: Redis, keys: Keys) -> QueueCounts:
+async def queue_counts(redis: RedisClient, keys: Keys) -> QueueCounts:
+    """Queue length and pending entries summed over the shards, and dead letters."""
     pipe = redis.pipeline(transaction=False)
-    pipe.xlen(keys.queue)
-    pipe.xpending(keys.queue, GROUP)
+    for key in keys.queues:
+        pipe.xlen(key)
+        pipe.xpending(key, GROUP)
     pipe.xlen(keys.dead)
-    length, pending, dead = await pipe.execute(raise_on_error=False)
-    for result in (length, dead):
+    *per_shard, dead = await pipe.execute(raise_on_error=False)
+    for result in (*per_shard[0::2], dead):
         if isinstance(result, Exception):
             raise result
-    return QueueCounts(int(length), _pending_total(pending), int(dead))
+    pending = sum(_pending_total(summary) for summary in per_shard[1::2])
+    return QueueCounts(sum(int(length) for length in per_shard[0::2]), pending, int(dead))
 
 
 def _pending_total(summary: Any) -> int:
@@ -63,7 +67,7 @@ def _pending_total(summary: Any) -> int:
     return int(summary["pending"])
 
 
-async def collect(redis: Redis, keys: Keys, live_window: float) -> Stats:
+async def collect(redis: RedisClient, keys: Keys, live_window: float) -> Stats:
     """A snapshot; ``live_window``: heartbeats older than this many seconds are stale."""
     counts = await queue_counts(redis, keys)
     seconds, micros = await redis.time()
@@ -85,22 +89,32 @@ async def collect(redis: Redis, keys: Keys, live_window: float) -> Stats:
     )
 
 
-async def _pending_by_consumer(redis: Redis, keys: Keys) -> dict[str, int]:
-    summary = await redis.xpending(keys.queue, GROUP)
-    return {as_text(row["name"]): int(row["pending"]) for row in summary.get("consumers") or []}
+async def _pending_by_consumer(redis: RedisClient, keys: Keys) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for key in keys.queues:
+        summary = await redis.xpending(key, GROUP)
+        for row in summary.get("consumers") or []:
+            name = as_text(row["name"])
+            counts[name] = counts.get(name, 0) + int(row["pending"])
+    return counts
 
 
-async def _oldest_waiting(redis: Redis, keys: Keys) -> float | None:
-    """Redis time (seconds) of the oldest entry not yet delivered to the group."""
+async def _oldest_waiting(redis: RedisClient, keys: Keys) -> float | None:
+    """Redis time (seconds) of the oldest entry not yet delivered to the group, any shard."""
+    oldest = [when for key in keys.queues if (when := await _oldest_in(redis, key)) is not None]
+    return min(oldest, default=None)
+
+
+async def _oldest_in(redis: RedisClient, key: str) -> float | None:
     start = "-"
     try:
-        groups = await redis.xinfo_groups(keys.queue)
+        groups = await redis.xinfo_groups(key)
     except ResponseError:  # no queue stream yet
         return None
     for group in groups:
         if as_text(group["name"]) == GROUP:
             start = "(" + as_text(group["last-delivered-id"])
-    rows: Any = await redis.xrange(keys.queue, min=start, max="+", count=1)
+    rows: Any = await redis.xrange(key, min=start, max="+", count=1)
     if not rows:
         return None
     return int(as_text(rows[0][0]).split("-")[0]) / 1000

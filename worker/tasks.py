@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 
-async def cancel_and_wait(tasks: list[asyncio.Task[None]]) -> None:
+async def cancel_and_wait(tasks: list[asyncio.Task[Any]]) -> None:
     """Cancel the tasks and wait for them, cancelling again any that ignored it: on Python
     3.11, ``asyncio.wait_for`` (redis-py wraps socket writes in it) swallows a cancellation
     that races the write's completion, and the task would then block in its next read."""

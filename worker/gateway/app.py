@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -30,13 +29,14 @@ from starlette.responses import JSONResponse, Response
 
 from schemas.jobs import TERMINAL, JobStatus
 from schemas.requests import JOB_ID_PATTERN, ChatRequest
-from worker.client import Client, redis_from_settings
+from worker.client import Client
 from worker.errors import ChatstreamError, InvalidJobError, JobNotFoundError
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKey, ApiKeys, bearer
-from worker.gateway.hub import EventHub, JobFeed, Row, is_terminal
+from worker.gateway.hub import JobFeed, Row, event_hub, is_terminal
 from worker.gateway.limits import RateLimiter, Slot, StreamSlots
 from worker.gateway.responses import EventStream, client_gone
+from worker.redis_client import RedisClient, redis_from_settings
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
 
@@ -112,14 +112,14 @@ class JobInfo:
 class Gateway:
     """The app's state: settings, keys, Redis, the client, the hub and the limits."""
 
-    def __init__(self, settings: Settings, redis: Redis | None = None) -> None:
+    def __init__(self, settings: Settings, redis: RedisClient | None = None) -> None:
         self.settings = settings
         self.api_keys = ApiKeys.from_setting(settings.gateway_api_keys)
         self.owns_redis = redis is None
         self.redis = redis if redis is not None else redis_from_settings(settings)
         self.client = Client.from_settings(settings, self.redis)
         self.keys = self.client.keys
-        self.hub = EventHub(self.redis, self.keys)
+        self.hub = event_hub(self.redis, self.keys)
         self.slots = StreamSlots(
             settings.gateway_max_streams_per_key, settings.gateway_max_connections
         )

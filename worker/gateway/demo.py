@@ -16,15 +16,15 @@ from contextlib import AsyncExitStack
 import httpx
 from httpx_sse import EventSource
 from pydantic import SecretStr
-from redis.asyncio import Redis
 
+from worker.redis_client import RedisClient
 from worker.settings import Settings
 
 CUT_AFTER_EVENTS = 12
 
 
 async def through_gateway(
-    stack: AsyncExitStack, settings: Settings, redis: Redis, message: str
+    stack: AsyncExitStack, settings: Settings, redis: RedisClient, message: str
 ) -> int:
     from worker.gateway.server import serve_gateway, until_signalled
 

@@ -26,11 +26,14 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from worker.errors import JobNotFoundError
 from worker.keys import Keys
+from worker.redis_client import RedisClient
 from worker.retry import REDIS_WAIT, often_enough, pause
+from worker.tasks import cancel_and_wait
 
 log = logging.getLogger("chatstream.gateway")
 
@@ -129,7 +132,7 @@ class Follower:
 class EventHub:
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         keys: Keys,
         *,
         block_ms: int = 2_000,
@@ -220,6 +223,7 @@ class EventHub:
         any failure); the reply as Redis sent it."""
         connection = self._connection
         if connection is None:
+            assert isinstance(self.redis, Redis)  # ClusterEventHub reads per job
             pool = self.redis.connection_pool
             connection = self._connection = pool.connection_class(**pool.connection_kwargs)
         try:
@@ -270,6 +274,65 @@ class EventHub:
             self._connection = None
         with contextlib.suppress(RedisError):
             await self.redis.delete(self.wake_key)
+
+
+class ClusterEventHub(EventHub):
+    """The hub on a Redis Cluster: a multi-key ``XREAD`` must stay in one slot, and every job
+    has a slot of its own, so each followed job is read by a blocking ``XREAD`` of its own
+    (on the cluster client's connection to the job's master); its entries are still handed
+    to all the job's followers, with the same no-gap, no-duplicate rules."""
+
+    def __init__(self, redis: RedisClient, keys: Keys, **options: Any) -> None:
+        super().__init__(redis, keys, **options)
+        self._readers: dict[str, asyncio.Task[None]] = {}
+
+    def follow(self, key: str, cursor: str) -> Follower:
+        follower = super().follow(key, cursor)
+        if key not in self._readers:
+            self._readers[key] = asyncio.create_task(self._read_key(key), name=f"hub-{key}")
+        return follower
+
+    def unfollow(self, follower: Follower) -> None:
+        super().unfollow(follower)
+        if follower.key not in self._last and (reader := self._readers.pop(follower.key, None)):
+            reader.cancel()
+
+    async def run(self) -> None:
+        """Nothing to do here: each followed job has its reader (until cancelled)."""
+        await asyncio.Event().wait()
+
+    async def _read_key(self, key: str) -> None:
+        failures = 0
+        while (cursor := self._last.get(key)) is not None:
+            try:
+                reply: Any = await self.redis.xread(
+                    {key: cursor}, count=READ_COUNT, block=self.block_ms
+                )
+                failures = 0
+            except RedisError as exc:
+                failures += 1
+                if often_enough(failures):
+                    log.warning("gateway: reading %s failed (%s); retrying", key, exc)
+                await asyncio.sleep(pause(REDIS_WAIT, failures))
+                continue
+            rows = [
+                (eid, dict(fields)) for _, entries in _streams(reply) for eid, fields in entries
+            ]
+            if rows and self._last.get(key) == cursor:  # (unless unfollowed or re-followed)
+                self._deliver(key, rows)
+
+    async def close(self) -> None:
+        readers, self._readers = list(self._readers.values()), {}
+        await cancel_and_wait(readers)
+        await super().close()
+
+
+def event_hub(redis: RedisClient, keys: Keys) -> EventHub:
+    """The hub for this deployment: one multi-key reader, or one reader per job on a
+    Cluster."""
+    return (
+        ClusterEventHub(redis, keys) if isinstance(redis, RedisCluster) else EventHub(redis, keys)
+    )
 
 
 class JobFeed:

@@ -15,9 +15,8 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from redis.asyncio import Redis
-
 from worker.keys import Keys
+from worker.redis_client import RedisClient
 
 
 class LimitExceeded(Exception):
@@ -111,7 +110,7 @@ class RateLimiter:
     seconds; 0 turns the limit off.
     """
 
-    def __init__(self, redis: Redis, keys: Keys, per_minute: int) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, per_minute: int) -> None:
         self.keys = keys
         self.per_minute = per_minute
         self._script = redis.register_script(GCRA)

@@ -6,7 +6,6 @@ import json
 import logging
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -35,6 +34,7 @@ from worker.gateway.hub import JobFeed
 from worker.gateway.limits import LimitExceeded
 from worker.gateway.page import page_routes
 from worker.gateway.responses import EventStream
+from worker.redis_client import RedisClient
 from worker.settings import Settings
 
 log = logging.getLogger("chatstream.gateway")
@@ -270,7 +270,7 @@ CORS_HEADERS = [
 EXPOSED_HEADERS = ["x-chatstream-job-id", "x-chatstream-events-token", "retry-after"]
 
 
-def create_app(settings: Settings, redis: Redis | None = None) -> Starlette:
+def create_app(settings: Settings, redis: RedisClient | None = None) -> Starlette:
     """The gateway app; raises ConfigError without API keys. ``redis``: a client to use
     (else one from the settings, closed with the app)."""
     gateway = Gateway(settings, redis)

@@ -10,10 +10,10 @@ import signal
 from collections.abc import AsyncIterator
 
 import uvicorn
-from redis.asyncio import Redis
 
 from worker.embedded_server import EmbeddedServer, bind, served
 from worker.gateway.routes import create_app
+from worker.redis_client import RedisClient, connect
 from worker.settings import Settings
 
 log = logging.getLogger("chatstream.gateway")
@@ -22,7 +22,7 @@ log = logging.getLogger("chatstream.gateway")
 SHUTDOWN_GRACE_SECONDS = 2
 
 
-def _config(settings: Settings, redis: Redis | None) -> uvicorn.Config:
+def _config(settings: Settings, redis: RedisClient | None) -> uvicorn.Config:
     return uvicorn.Config(
         create_app(settings, redis),
         lifespan="on",
@@ -35,10 +35,14 @@ def _config(settings: Settings, redis: Redis | None) -> uvicorn.Config:
 
 async def run_gateway(settings: Settings) -> int:
     """Serve until SIGINT / SIGTERM, then stop gracefully (exit status 0)."""
-    async with serve_gateway(settings) as url:
-        log.info("gateway listening on %s", url)
-        await until_signalled()
-        log.info("gateway stopping")
+    redis = await connect(settings)
+    try:
+        async with serve_gateway(settings, redis) as url:
+            log.info("gateway listening on %s", url)
+            await until_signalled()
+            log.info("gateway stopping")
+    finally:
+        await redis.aclose()
     return 0
 
 
@@ -58,7 +62,7 @@ async def until_signalled() -> None:
 @contextlib.asynccontextmanager
 async def serve_gateway(
     settings: Settings,
-    redis: Redis | None = None,
+    redis: RedisClient | None = None,
     *,
     host: str | None = None,
     port: int | None = None,

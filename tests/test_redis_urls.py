@@ -1,0 +1,142 @@
+"""CHATSTREAM_REDIS_URL's forms (one server, Cluster, Sentinel) and the queue's shard keys:
+pure parsing and key naming, no server (the deployments are in test_cluster.py)."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import SSLConnection
+from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS
+
+from worker.errors import ConfigError
+from worker.keys import Keys
+from worker.redis_client import redis_from_settings, slot_of
+from worker.runtime import startup_summary
+from worker.settings import Settings, load_settings
+from worker.urls import parse_redis_url
+
+
+def test_one_server_urls_are_kept_as_they_are() -> None:
+    for url in ("redis://h:1/2", "rediss://u:p@h:1/0?ssl_cert_reqs=none", "unix:///tmp/r.sock"):
+        parsed = parse_redis_url(url)
+        assert (parsed.kind, parsed.url) == ("single", url)
+    assert parse_redis_url("rediss://h:1/0").tls
+
+
+def test_cluster_urls_list_their_nodes_and_keep_auth_and_options() -> None:
+    parsed = parse_redis_url(
+        "rediss+cluster://u:p%40ss@a:7000,b:7001,[::1]:7002/0?ssl_cert_reqs=none"
+    )
+    assert parsed.kind == "cluster" and parsed.tls
+    assert parsed.nodes == (("a", 7000), ("b", 7001), ("::1", 7002))
+    assert parsed.url == "rediss://u:p%40ss@a:7000/0?ssl_cert_reqs=none"
+    assert parse_redis_url("redis+cluster://a:1").url == "redis://a:1/0"
+
+
+def test_sentinel_urls_name_the_service_and_db_and_the_sentinels_own_user() -> None:
+    parsed = parse_redis_url(
+        "redis+sentinel://u:pw@s1:26379,s2:26380/mymaster/3?sentinel_password=spw&socket_timeout=2"
+    )
+    assert (parsed.kind, parsed.service, parsed.nodes) == (
+        "sentinel",
+        "mymaster",
+        (("s1", 26379), ("s2", 26380)),
+    )
+    assert parsed.url == "redis://u:pw@s1:26379/3?socket_timeout=2"
+    assert parsed.sentinel_options == (("sentinel_password", "spw"),)
+    assert parse_redis_url("redis+sentinel://s:1/svc").url == "redis://s:1/0"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://h:1/0", "must start with"),
+        ("redis+cluster://", "at least one host:port"),
+        ("redis+cluster://a", "is not host:port"),
+        ("redis+cluster://a:x", "is not host:port"),
+        ("redis+cluster://a:1/2", "database 0 only"),
+        ("redis+sentinel://s:1", "<service>"),
+        ("redis+sentinel://s:1/svc/db", "<service>"),
+        ("unix+cluster:///x", "not a socket"),
+        ("redis+shard://h:1", "must start with"),
+    ],
+)
+def test_a_bad_url_is_one_clear_error(url: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        parse_redis_url(url)
+    with pytest.raises(ConfigError) as raised:
+        load_settings(_env_file=None, redis_url=url)
+    assert "CHATSTREAM_REDIS_URL" in str(raised.value) and says in str(raised.value)
+
+
+async def test_each_form_builds_its_kind_of_client_without_connecting() -> None:
+    def client(url: str) -> Redis | RedisCluster:
+        return redis_from_settings(Settings(_env_file=None, redis_url=url))
+
+    one = client("redis://127.0.0.1:1/4")
+    assert isinstance(one, Redis) and one.connection_pool.connection_kwargs["db"] == 4
+    cluster = client("rediss+cluster://u:p@127.0.0.1:1,127.0.0.1:2?ssl_cert_reqs=none")
+    assert isinstance(cluster, RedisCluster)
+    assert [node.port for node in cluster.startup_nodes] == [1, 2]
+    node = cluster.startup_nodes[0]
+    assert node.connection_class is SSLConnection
+    assert (node.connection_kwargs["username"], node.connection_kwargs["password"]) == ("u", "p")
+    sentinel = client("redis+sentinel://127.0.0.1:1/mymaster/2?sentinel_password=s")
+    assert isinstance(sentinel, Redis)
+    pool = sentinel.connection_pool
+    assert isinstance(pool, SentinelConnectionPool) and pool.service_name == "mymaster"
+    assert pool.connection_kwargs["db"] == 2
+    manager = pool.sentinel_manager
+    assert manager.sentinel_kwargs["password"] == "s"  # the sentinels' own, not the master's
+    assert "password" not in pool.connection_kwargs or pool.connection_kwargs["password"] is None
+    for redis in (one, cluster, sentinel):
+        await redis.aclose()
+
+
+async def test_the_startup_line_names_the_deployment_without_passwords() -> None:
+    settings = Settings(_env_file=None, redis_url="rediss+sentinel://u:secret@s:1,t:2/svc/1")
+    message, fields = startup_summary(settings, Redis(), "w")
+    assert fields["redis"] == "sentinel u@s:1,t:2 service=svc/1 tls=on"
+    assert "secret" not in message
+
+
+def test_one_shard_keeps_the_single_queue_key() -> None:
+    keys = Keys("p")
+    assert keys.queues == ("p:queue",) and keys.queue_shard(0) == "p:queue"
+    assert {keys.shard_of(f"job-{i}") for i in range(100)} == {0}
+    assert keys.jobs_shard(0) == "p:jobs"
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4, 7, 16, 256])
+def test_shards_sit_on_evenly_spread_slots_with_their_index_beside_them(shards: int) -> None:
+    keys = Keys("chatstream", shards)
+    slots = [slot_of(key) for key in keys.queues]
+    assert len(set(slots)) == shards  # each on its own slot
+    width = REDIS_CLUSTER_HASH_SLOTS / shards
+    for shard, slot in enumerate(slots):  # shard i in the i-th share counted from shard 0
+        offset = (slot - slots[0] - shard * width) % REDIS_CLUSTER_HASH_SLOTS
+        assert offset < max(width / 2, 1), (shard, slot)
+        if shard:  # shard 0's index is <p>:jobs, as with one shard
+            assert slot_of(keys.jobs_shard(shard)) == slot
+    assert Keys("chatstream", shards).queues == keys.queues  # the same names every time
+
+
+def test_three_shards_land_on_three_masters_of_a_default_cluster() -> None:
+    """``redis-cli --cluster create`` with 3 masters: 0-5460, 5461-10922, 10923-16383."""
+    ranges = [(0, 5460), (5461, 10922), (10923, 16383)]
+    for prefix in ("chatstream", "t-1", "acme:prod"):
+        masters = {
+            next(i for i, (low, high) in enumerate(ranges) if low <= slot_of(key) <= high)
+            for key in Keys(prefix, 3).queues
+        }
+        assert masters == {0, 1, 2}, prefix
+
+
+def test_enqueue_spreads_jobs_over_the_shards() -> None:
+    keys = Keys("p", 4)
+    counts = [0] * 4
+    for i in range(4000):
+        counts[keys.shard_of(f"{i:032x}")] += 1
+    assert min(counts) > 900, counts

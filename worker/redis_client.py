@@ -1,0 +1,244 @@
+"""Connecting to Redis from ``CHATSTREAM_REDIS_URL``: one server, a Cluster, or Sentinel.
+
+The URL forms (docs/configuration.md):
+
+- ``redis://`` / ``rediss://`` (TLS) / ``unix://``: one server. :func:`connect` asks it
+  ``INFO cluster`` once: a node of a Redis Cluster is used as the cluster's first node, so a
+  plain URL of any cluster node works with no other setting.
+- ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``): a Redis Cluster,
+  discovered from any of those nodes.
+- ``redis+sentinel://host:port[,host:port...]/<service>[/<db>]`` (``rediss+sentinel://``):
+  the master of ``<service>`` as the Sentinels name it, followed across failovers.
+
+User, password and query options (``ssl_ca_certs``, ``ssl_cert_reqs``, ...) are redis-py's
+and apply to the data nodes. For Sentinel, TLS applies to the Sentinels too, and the query
+options ``sentinel_username`` / ``sentinel_password`` are the Sentinels' own ACL user.
+
+Every client has the same options (one place, :func:`redis_from_settings`): replies decoded
+(bytes that are not UTF-8 become U+FFFD), connection errors and timeouts retried with the
+backoff of ``worker.retry``, the socket timeout above the longest blocking read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, TypeAlias
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.connection import SSLConnection, parse_url
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from worker import speedups
+from worker.errors import RedisUnavailableError
+from worker.retry import RedisBackoff
+from worker.settings import Settings
+from worker.urls import RedisUrl, parse_redis_url, redacted_url
+
+RedisClient: TypeAlias = Redis | RedisCluster
+
+
+class ClusterUnavailableError(RedisConnectionError):
+    """No master serves a key's slot, or no node of the cluster answers (a failover under
+    way): redis-py raises these as ``RedisClusterException``, which is no ``RedisError``."""
+
+
+class Cluster(RedisCluster):
+    """redis-py's cluster client, its ``RedisClusterException`` raised as
+    :class:`ClusterUnavailableError` so that every retry of a Redis failure applies."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> Cluster:
+        try:
+            await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise ClusterUnavailableError(str(exc)) from exc
+        return self
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise ClusterUnavailableError(str(exc)) from exc
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        return _Pipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _Pipeline(ClusterPipeline):
+    async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return await super().execute(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise ClusterUnavailableError(str(exc)) from exc
+
+
+# a job step waits this long for a free pooled connection before it counts as a Redis error
+POOL_WAIT_SECONDS = 30
+REDIS_RETRIES = 10
+SENTINEL_SOCKET_TIMEOUT = 2.0
+# the first PING of a command-line tool or worker: no retries, an answer within this long
+REACH_SECONDS = 5.0
+
+
+def client_options(settings: Settings) -> dict[str, Any]:
+    """What every chatstream Redis client runs with, whatever the deployment."""
+    return {
+        "decode_responses": True,
+        "encoding_errors": "replace",
+        "health_check_interval": 30,
+        "socket_connect_timeout": 5,
+        "socket_timeout": settings.block_ms / 1000 + 10,
+        "socket_keepalive": True,
+        "retry": Retry(RedisBackoff(), REDIS_RETRIES),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
+
+
+def redis_from_settings(settings: Settings) -> RedisClient:
+    """The client workers, clients and the gateway use (no I/O here).
+
+    One server: a blocking pool of ``redis_max_connections`` (hundreds of jobs starting at
+    once wait briefly for a connection instead of failing), replies parsed by hiredis when
+    installed (``CHATSTREAM_REDIS_PARSER``). A Cluster: redis-py's cluster client, up to
+    ``redis_max_connections`` per node. Sentinel: the master of the service, a blocking pool.
+    A plain URL of a cluster node gives a one-server client here; :func:`connect` detects it.
+    """
+    parsed = parse_redis_url(settings.redis_url)
+    if parsed.kind == "cluster":
+        return cluster_client(parsed, settings)
+    if parsed.kind == "sentinel":
+        return sentinel_client(parsed, settings)
+    pool = BlockingConnectionPool.from_url(
+        parsed.url,
+        max_connections=settings.redis_max_connections,
+        timeout=POOL_WAIT_SECONDS,
+        parser_class=speedups.parser_class(settings),
+        **client_options(settings),
+    )
+    return Redis.from_pool(pool)
+
+
+def cluster_client(parsed: RedisUrl, settings: Settings) -> Cluster:
+    options = {**parse_url(parsed.url), **client_options(settings)}
+    if options.pop("connection_class", None) is SSLConnection:
+        options["ssl"] = True
+    options.pop("db", None)
+    options.pop("host", None)
+    options.pop("port", None)
+    options.pop("retry_on_error", None)  # the cluster retries these itself, re-routing
+    nodes = [ClusterNode(host, port) for host, port in parsed.nodes]
+    return Cluster(startup_nodes=nodes, max_connections=settings.redis_max_connections, **options)
+
+
+class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The Sentinel-managed pool, waiting for a free connection like the one-server pool."""
+
+
+def sentinel_client(parsed: RedisUrl, settings: Settings) -> Redis:
+    options = {**parse_url(parsed.url), **client_options(settings)}
+    for name in ("host", "port"):
+        options.pop(name, None)
+    tls: dict[str, Any] = {}
+    if options.pop("connection_class", None) is SSLConnection:
+        tls = {k: v for k, v in options.items() if k.startswith("ssl")}
+        options["ssl"] = True
+    own = dict(parsed.sentinel_options)
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": SENTINEL_SOCKET_TIMEOUT,
+        "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT,
+        "decode_responses": True,
+        **({"ssl": True, **tls} if tls or parsed.tls else {}),
+        **{name.removeprefix("sentinel_"): value for name, value in own.items()},
+    }
+    sentinel = Sentinel(list(parsed.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    master: Redis = sentinel.master_for(
+        parsed.service,
+        connection_pool_class=BlockingSentinelPool,
+        max_connections=settings.redis_max_connections,
+        timeout=POOL_WAIT_SECONDS,
+        parser_class=speedups.parser_class(settings),
+        **options,
+    )
+    return master
+
+
+async def connect(settings: Settings) -> RedisClient:
+    """:func:`redis_from_settings` once Redis answered a PING (within seconds, else
+    RedisUnavailableError), a one-server URL of a Cluster node turned into a cluster client
+    (one ``INFO cluster``), and a cluster client's slot map loaded."""
+    redis = redis_from_settings(settings)
+    try:
+        await ensure_reachable(redis, redacted_url(settings.redis_url))
+        if isinstance(redis, Redis) and await _cluster_enabled(redis):
+            await redis.aclose()
+            nodes = _node_of(redis)
+            one = parse_redis_url(settings.redis_url).url
+            redis = cluster_client(RedisUrl("cluster", one, nodes), settings)
+        if isinstance(redis, RedisCluster):
+            await redis.initialize()
+    except BaseException:
+        await redis.aclose()
+        raise
+    return redis
+
+
+async def _cluster_enabled(redis: Redis) -> bool:
+    if "path" in redis.connection_pool.connection_kwargs or is_fake(redis):
+        return False
+    try:
+        info: Any = await redis.info("cluster")
+    except (RedisError, OSError):
+        return False  # not answering: the caller's reachability check says so
+    return bool(int(info.get("cluster_enabled", 0)))
+
+
+def _node_of(redis: Redis) -> tuple[tuple[str, int], ...]:
+    kwargs = redis.connection_pool.connection_kwargs
+    return ((str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379))),)
+
+
+def is_fake(redis: RedisClient) -> bool:
+    """An in-process stand-in (fakeredis), not a connection to a server."""
+    if isinstance(redis, RedisCluster):
+        return False
+    pool = redis.connection_pool
+    return type(pool).__module__.startswith("fakeredis") or "fakeredis" in str(
+        getattr(pool, "connection_class", "")
+    )
+
+
+def slot_of(key: str) -> int:
+    """The Redis Cluster hash slot of ``key`` (its ``{hash tag}`` when it has one)."""
+    return int(key_slot(key.encode()))
+
+
+async def ensure_reachable(redis: RedisClient, where: str, timeout: float = REACH_SECONDS) -> None:
+    """One PING, not retried, answered within ``timeout``, or RedisUnavailableError.
+
+    A command-line tool (or a worker starting) should say at once that Redis is down or
+    that something else listens on the port, rather than ride out a restart for seconds
+    (which the client's retries do for every later command). A cluster client's own
+    retries are bounded by ``timeout`` alone.
+    """
+    retry = None if isinstance(redis, RedisCluster) else redis.get_retry()
+    if retry is not None and isinstance(redis, Redis):
+        redis.set_retry(Retry(NoBackoff(), 0))
+    try:
+        async with asyncio.timeout(timeout):
+            await redis.ping()
+    except TimeoutError:
+        raise RedisUnavailableError(
+            f"no answer from Redis at {where} within {timeout:g}s (is it a Redis server?)"
+        ) from None
+    except (RedisError, RedisClusterException, OSError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise RedisUnavailableError(f"cannot reach Redis at {where}: {reason}") from None
+    finally:
+        if retry is not None and isinstance(redis, Redis):
+            redis.set_retry(retry)
