@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
 from pydantic import SecretStr
-from redis.asyncio import Redis
 
 from worker.client import Client
 from worker.gateway import serve_gateway
 from worker.mock_upstream import MockUpstream
+from worker.redis_client import RedisClient
 from worker.runner import Worker
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
@@ -36,7 +36,7 @@ def key_setting(*plain: str, hashed: tuple[str, ...] = ()) -> SecretStr:
 class GatewayEnv:
     url: str
     settings: Settings
-    redis: Redis
+    redis: RedisClient
     mock: MockUpstream
     client: Client
     worker: Worker | None
@@ -50,7 +50,7 @@ class GatewayEnv:
 @asynccontextmanager
 async def running_gateway(
     settings: Settings,
-    redis: Redis,
+    redis: RedisClient,
     mock: tuple[MockUpstream, str],
     *,
     worker: bool = True,

@@ -166,8 +166,7 @@ def terminal_data(record: JobRecord) -> dict[str, Any]:
 
 
 async def queue_is_empty(redis: RedisClient, keys: Keys) -> bool:
-    pending: Any = await redis.xpending(keys.queue, GROUP)
-    return int(await redis.xlen(keys.queue)) == 0 and int(pending["pending"]) == 0
+    return await queue_is_drained(redis, keys)
 
 
 CHATSTREAM = str(Path(sys.executable).with_name("chatstream"))
@@ -210,9 +209,12 @@ async def status_of(redis: RedisClient, keys: Keys, job_id: str) -> str | None:
 
 
 async def queue_is_drained(redis: RedisClient, keys: Keys) -> bool:
-    """No queue entry left, none pending: every entry was acked and deleted."""
-    pending: Any = await redis.xpending(keys.queue, GROUP)
-    return int(await redis.xlen(keys.queue)) == 0 and pending["pending"] == 0
+    """No queue entry left on any shard, none pending: every entry was acked and deleted."""
+    for key in keys.queues:
+        pending: Any = await redis.xpending(key, GROUP)
+        if int(await redis.xlen(key)) != 0 or pending["pending"] != 0:
+            return False
+    return True
 
 
 def after_last_reset(events: list[StreamEvent]) -> list[StreamEvent]:

@@ -110,23 +110,21 @@ def test_one_shard_keeps_the_single_queue_key() -> None:
 
 
 @pytest.mark.parametrize("shards", [2, 3, 4, 7, 16, 256])
-def test_shards_sit_on_evenly_spread_slots_with_their_index_beside_them(shards: int) -> None:
-    keys = Keys("chatstream", shards)
-    slots = [slot_of(key) for key in keys.queues]
-    assert len(set(slots)) == shards  # each on its own slot
+@pytest.mark.parametrize("prefix", ["chatstream", "t-3f9a0c1d2e4b", "acme:prod"])
+def test_each_shard_sits_in_its_own_share_of_the_slots(prefix: str, shards: int) -> None:
+    keys = Keys(prefix, shards)
     width = REDIS_CLUSTER_HASH_SLOTS / shards
-    for shard, slot in enumerate(slots):  # shard i in the i-th share counted from shard 0
-        offset = (slot - slots[0] - shard * width) % REDIS_CLUSTER_HASH_SLOTS
-        assert offset < max(width / 2, 1), (shard, slot)
-        if shard:  # shard 0's index is <p>:jobs, as with one shard
-            assert slot_of(keys.jobs_shard(shard)) == slot
-    assert Keys("chatstream", shards).queues == keys.queues  # the same names every time
+    shares = [int(slot_of(key) // width) for key in keys.queues]
+    assert sorted(shares) == list(range(shards)), shares
+    for shard in range(1, shards):  # shard 0's index is <p>:jobs, as with one shard
+        assert slot_of(keys.jobs_shard(shard)) == slot_of(keys.queue_shard(shard))
+    assert Keys(prefix, shards).queues == keys.queues  # the same names every time
 
 
 def test_three_shards_land_on_three_masters_of_a_default_cluster() -> None:
     """``redis-cli --cluster create`` with 3 masters: 0-5460, 5461-10922, 10923-16383."""
     ranges = [(0, 5460), (5461, 10922), (10923, 16383)]
-    for prefix in ("chatstream", "t-1", "acme:prod"):
+    for prefix in ("chatstream", "t-1", "acme:prod", *(f"t-{n:012x}" for n in range(200))):
         masters = {
             next(i for i, (low, high) in enumerate(ranges) if low <= slot_of(key) <= high)
             for key in Keys(prefix, 3).queues

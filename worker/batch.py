@@ -79,6 +79,8 @@ class ConnectionSender:
         connection = self._connection
         try:
             async with asyncio.timeout(self._timeout):
+                if not connection.is_connected:  # connect(): a Sentinel's finds the master
+                    await connection.connect()  # type: ignore[no-untyped-call]
                 await connection.send_packed_command(self._pack(commands), check_health=False)
                 return [await _reply(connection) for _ in commands]
         except TimeoutError:

@@ -4,10 +4,9 @@ Per-job keys share the hash tag ``{<job id>}`` so a job's record and events stre
 one Redis Cluster slot and can be written by one script.
 
 The queue is ``shards`` streams (``CHATSTREAM_QUEUE_SHARDS``, default 1). Shard 0 is
-``<p>:queue``; shard *i* > 0 is ``<p>:queue:{<tag>}``, its tag chosen so that the shards'
-slots are spread evenly over the 16,384 slots (a Cluster made by ``redis-cli --cluster
-create`` gives each master one contiguous range, so N shards on N masters land one per
-master). Each shard has a jobs index of its own (shard *i* > 0's in the shard's slot).
+``<p>:queue``; shard *i* > 0 is ``<p>:queue:{<tag>}``, its tag chosen so that each shard
+lies in its own N-th of the 16,384 slots (a Cluster made by ``redis-cli --cluster create``
+gives each master one contiguous range, so N shards on N masters land one per master). Each shard has a jobs index of its own (shard *i* > 0's in the shard's slot).
 See docs/redis.md.
 """
 
@@ -91,14 +90,19 @@ class Keys:
 
 @lru_cache(maxsize=4096)
 def shard_tag(prefix: str, shard: int, shards: int) -> str:
-    """The hash tag of queue shard ``shard`` > 0 of ``shards``: ``<p>:q<shard>``, or the
-    first ``<p>:q<shard>.<n>`` whose slot lies in the shard's share of the slots, counted
-    from shard 0's slot (so the shards' slots are evenly spaced)."""
+    """The hash tag of queue shard ``shard`` > 0 of ``shards``.
+
+    The slots are cut into ``shards`` equal shares; shard 0 (``<p>:queue``) lies in one of
+    them, and shard *i* takes the middle of the *i*-th of the others: the first of
+    ``<p>:q<i>``, ``<p>:q<i>.1``, ``<p>:q<i>.2``, ... whose slot lies there. A cluster whose
+    N masters each serve one contiguous share (``redis-cli --cluster create``) gets one shard
+    per master."""
     width = REDIS_CLUSTER_HASH_SLOTS / shards
-    start = key_slot(f"{prefix}:queue".encode()) + shard * width
+    first = int(key_slot(f"{prefix}:queue".encode()) // width)
+    share = [other for other in range(shards) if other != first][shard - 1]
+    low, high = (share + 0.25) * width, (share + 0.75) * width
     for attempt in range(1_000_000):
         tag = f"{prefix}:q{shard}" + (f".{attempt}" if attempt else "")
-        offset = (key_slot(tag.encode()) - start) % REDIS_CLUSTER_HASH_SLOTS
-        if offset < max(width / 2, 1):
+        if low <= key_slot(tag.encode()) < high:
             return tag
     raise AssertionError("unreachable: CRC16 covers every slot")

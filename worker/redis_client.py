@@ -140,6 +140,17 @@ class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """The Sentinel-managed pool, waiting for a free connection like the one-server pool."""
 
 
+class SentinelMaster(Redis):
+    """The master a Sentinel names; closing it also closes the connections to the Sentinels."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        pool = self.connection_pool
+        await super().aclose(close_connection_pool)
+        if isinstance(pool, SentinelConnectionPool):
+            for sentinel in pool.sentinel_manager.sentinels:
+                await sentinel.aclose()
+
+
 def sentinel_client(parsed: RedisUrl, settings: Settings) -> Redis:
     options = {**parse_url(parsed.url), **client_options(settings)}
     for name in ("host", "port"):
@@ -159,6 +170,7 @@ def sentinel_client(parsed: RedisUrl, settings: Settings) -> Redis:
     sentinel = Sentinel(list(parsed.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
     master: Redis = sentinel.master_for(
         parsed.service,
+        redis_class=SentinelMaster,
         connection_pool_class=BlockingSentinelPool,
         max_connections=settings.redis_max_connections,
         timeout=POOL_WAIT_SECONDS,

@@ -227,6 +227,8 @@ class EventHub:
             pool = self.redis.connection_pool
             connection = self._connection = pool.connection_class(**pool.connection_kwargs)
         try:
+            if not connection.is_connected:  # connect(): a Sentinel's finds the master
+                await connection.connect()
             await connection.send_packed_command(packed)
             return await connection.read_response()
         except BaseException:
