@@ -6,8 +6,9 @@ one Redis Cluster slot and can be written by one script.
 The queue is ``shards`` streams (``CHATSTREAM_QUEUE_SHARDS``, default 1). Shard 0 is
 ``<p>:queue``; shard *i* > 0 is ``<p>:queue:{<tag>}``, its tag chosen so that each shard
 lies in its own N-th of the 16,384 slots (a Cluster made by ``redis-cli --cluster create``
-gives each master one contiguous range, so N shards on N masters land one per master). Each shard has a jobs index of its own (shard *i* > 0's in the shard's slot).
-See docs/redis.md.
+gives each master one contiguous range, so N shards on N masters land one per master).
+Each shard has a jobs index of its own (shard *i* > 0's in the shard's slot). See
+docs/redis.md.
 """
 
 from __future__ import annotations
