@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.conftest import RedisServer
 from worker.batch import Command, ConnectionSender, PipelineSender, packer
-from worker.publisher import default_sender
+from worker.cluster_batch import default_sender
 
 PARSERS = {"hiredis": _AsyncHiredisParser, "python": _AsyncRESP3Parser}
 REFUSED: Command = ("EVAL", "return redis.error_reply('OOM command not allowed')", 0)

@@ -20,12 +20,13 @@ from pydantic import ValidationError
 from schemas.events import StreamEvent
 from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import ChatRequest, JobSpec
-from worker.errors import InvalidJobError, JobNotFoundError
+from worker.errors import InvalidJobError, JobNotFoundError, NotReplicatedError
 from worker.jobs import JobIndex, JobPage, Progress, read_progress
 from worker.keys import Keys
 from worker.queue import DeadLetter, Queue
 from worker.records import Records, as_text, dumps
 from worker.redis_client import RedisClient, connect, redis_from_settings
+from worker.replication import Replication
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
 
@@ -45,9 +46,12 @@ class Client:
         upstreams: list[str] | None = None,
         jobs_index_max: int = 1_000_000,
         queue_shards: int = 1,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 2_000,
     ) -> None:
         self.redis = redis
         self.keys = Keys(prefix, queue_shards)
+        self.replication = Replication(redis, wait_replicas, wait_timeout_ms)
         self.records = Records(redis, self.keys, retention_seconds)
         self.queue = Queue(redis, self.keys, "client")
         self.index = JobIndex(redis, self.keys, retention_seconds, jobs_index_max)
@@ -64,6 +68,8 @@ class Client:
             upstreams=settings.upstream_names(),
             jobs_index_max=settings.jobs_index_max,
             queue_shards=settings.queue_shards,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
         )
 
     @classmethod
@@ -79,7 +85,12 @@ class Client:
         upstream: str = "default",
         metadata: dict[str, Any] | None = None,
     ) -> str:
-        """Validate and queue a job; the same ``job_id`` twice is the same job."""
+        """Validate and queue a job; the same ``job_id`` twice is the same job.
+
+        With replicas to wait for (``wait_replicas``), it returns once they have the job's
+        record and queue entry, else raises NotReplicatedError: the job is queued on the
+        master all the same, and enqueueing it again with the same ``job_id`` waits again.
+        """
         spec = self._spec(request, job_id or uuid.uuid4().hex, upstream, metadata or {})
         request_json = spec.request.model_dump_json()
         if len(request_json.encode()) > self.max_request_bytes:
@@ -90,9 +101,30 @@ class Client:
         state = await self.records.create(spec.id, fields)
         if state != "exists":
             await self.index.add(spec.id, float(fields["created_at"]))
-            entry_id = await self.queue.add(spec.id)
-            await self.records.mark_queued(spec.id, entry_id)
+            await self._queue(spec.id)
+        elif self.replication.enabled:
+            record = self.keys.job(spec.id)
+            check = ("HSET", record, "replica_check", f"{time.time():.6f}")
+            await self.replication.write(record, check, f"job {spec.id}")
         return spec.id
+
+    async def _queue(self, job_id: str) -> None:
+        """A queue entry for the job, its id in the record (each replicated, if asked)."""
+        if not self.replication.enabled:
+            await self.records.mark_queued(job_id, await self.queue.add(job_id))
+            return
+        shard, record = self.keys.queue_shard(self.keys.shard_of(job_id)), self.keys.job(job_id)
+        add = ("XADD", shard, "*", "job", job_id)
+        (entry,), on_queue = await self.replication.send(shard, [add])
+        if isinstance(entry, Exception):
+            raise entry
+        mark = ("HSET", record, "queue_entry", as_text(entry))
+        (marked,), on_record = await self.replication.send(record, [mark])
+        if isinstance(marked, Exception):
+            raise marked
+        if not self.replication.enough(min(on_queue, on_record)):
+            shortfall = self.replication.shortfall(f"job {job_id}", min(on_queue, on_record))
+            raise NotReplicatedError(shortfall)
 
     def _spec(
         self,
@@ -203,8 +235,7 @@ class Client:
         if state not in ("requeued", "unqueued"):
             raise InvalidJobError(f"job {job_id!r} is {state}; only failed jobs are requeued")
         await self.index.add(job_id)  # listed again, as of now
-        entry_id = await self.queue.add(job_id)
-        await self.records.mark_queued(job_id, entry_id)
+        await self._queue(job_id)
         await self.queue.forget_dead(job_id)
         return "requeued"
 
@@ -233,6 +264,7 @@ class Client:
         return await read_progress(self.redis, self.keys, job_id, record.attempt, record.started_at)
 
     async def aclose(self) -> None:
+        await self.replication.aclose()
         await self.redis.aclose()
 
 

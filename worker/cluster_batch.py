@@ -35,8 +35,8 @@ from redis.exceptions import (
     RedisError,
 )
 
-from worker.batch import Command, ConnectionSender
-from worker.redis_client import slot_of
+from worker.batch import BatchSender, Command, ConnectionSender, PipelineSender
+from worker.redis_client import RedisClient, is_fake, slot_of
 
 log = logging.getLogger("chatstream.publisher")
 
@@ -65,13 +65,6 @@ class ClusterSender:
         await self._follow_moved(commands, replies)
         await self._follow_ask(commands, replies)
         return replies
-
-    async def send_to(self, key: str, commands: list[Command]) -> list[Any]:
-        """``commands`` on one connection to the master of ``key``'s slot (a ``WAIT`` after
-        writes counts the replicas that have them)."""
-        await self._refresh_if_stale()
-        node = self._node_of(key)
-        return await self._sender(node).send(commands)
 
     async def aclose(self) -> None:
         senders, self._senders = list(self._senders.values()), {}
@@ -158,3 +151,14 @@ class ClusterSender:
         masters = {(node.host, int(node.port)) for node in self._cluster.get_primaries()}
         for address in [address for address in self._senders if address not in masters]:
             await self._senders.pop(address).aclose()
+
+
+def default_sender(redis: RedisClient) -> BatchSender:
+    """:class:`ConnectionSender`; on a Cluster, :class:`ClusterSender` (a connection per
+    master); for an in-process stand-in Redis (fakeredis: the demo), which has no
+    connection of its own to make, :class:`PipelineSender`."""
+    if isinstance(redis, RedisCluster):
+        return ClusterSender(redis)
+    if is_fake(redis):
+        return PipelineSender(redis)
+    return ConnectionSender(redis)

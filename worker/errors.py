@@ -9,6 +9,7 @@ talks to them, with ``raise ... from exc``; everything above sees only these::
     │   └── UnknownUpstreamError    the job names an upstream the settings do not define
     ├── JobNotFoundError            no record for that job id (expired or never enqueued)
     ├── RedisUnavailableError       Redis did not answer at start (down, or not Redis)
+    ├── NotReplicatedError          too few replicas acknowledged a write in time (WAIT)
     ├── StaleAttemptError           a fenced write lost: a newer attempt owns the job
     ├── ProtocolError               the upstream broke the SSE / chunk protocol (terminal)
     │   └── EventTooLargeError      one SSE event exceeded the configured size limit
@@ -71,6 +72,10 @@ class JobNotFoundError(ChatstreamError):
 
 class RedisUnavailableError(ChatstreamError):
     code = "redis_unavailable"
+
+
+class NotReplicatedError(ChatstreamError):
+    code = "not_replicated"
 
 
 class StaleAttemptError(ChatstreamError):

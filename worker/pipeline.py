@@ -78,6 +78,7 @@ class JobRun:
     opened: bool = False  # the current try got past the upstream's first byte
     acc: Accumulator | None = None  # the current try's output: kept when cancelled
     idle: IdleSlot = keep_slot  # entered while waiting for a down upstream (frees the slot)
+    replicated: bool = True  # its terminal write reached the replicas it waits for
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +241,15 @@ async def write_terminal(
 ) -> Outcome:
     terminal = build_terminal(final, error, cancelled=cancelled)
     written = await services.publisher.finish(job.stream, terminal)
+    job.replicated = terminal.replicated
+    if not written and job.stream.rolled_back:
+        log.warning(
+            "job %s attempt %d: Redis lost entries of it that it had confirmed (a failover "
+            "to a replica that lacked them); the job is rerun",
+            job.job_id,
+            job.attempt,
+        )
+        return Outcome.STALE
     if not written:
         log.warning(
             "job %s attempt %d: terminal write refused (a newer attempt owns the job, or a "

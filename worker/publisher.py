@@ -31,14 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from worker.accumulator import Delta
-from worker.batch import BatchSender, Command, ConnectionSender, PipelineSender
-from worker.cluster_batch import ClusterSender
+from worker.batch import BatchSender, Command
+from worker.cluster_batch import default_sender
 from worker.records import ALREADY, NOT_YET, STALE, WRITTEN, Records, dumps
-from worker.redis_client import RedisClient, is_fake
+from worker.redis_client import RedisClient
+from worker.replication import Replication
 from worker.retry import REDIS_WAIT, pause
 from worker.tasks import cancel_and_wait
 
@@ -59,6 +59,7 @@ class Terminal:
     done: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    replicated: bool = True  # False: written, but fewer replicas than wanted have it
 
 
 @dataclass(slots=True)
@@ -70,8 +71,10 @@ class JobStream:
     pending: Delta | None = None  # deltas not numbered yet, merged into one entry
     unconfirmed: list[tuple[int, str]] = field(default_factory=list)  # (seq, data), in order
     seq: int = 0  # the last number given
+    confirmed: int = 0  # the last number Redis confirmed (entries land in order)
     terminal: Terminal | None = None
     stale: bool = False
+    rolled_back: bool = False  # Redis lost entries it had confirmed (a failover): rerun
     refusals: int = 0  # round trips in a row in which Redis refused a write of this job
     due: float = 0.0  # loop time of its next round trip (after a refusal)
 
@@ -88,17 +91,28 @@ class JobStream:
         """Apply the delta script's answer; True when the entry must be sent again."""
         if result in (WRITTEN, ALREADY):
             self.unconfirmed = [op for op in self.unconfirmed if op[0] != seq]
+            self.confirmed = max(self.confirmed, seq)
             return False
         if result == STALE:
             self.stale = True
             return False
+        if result == NOT_YET and seq == self.confirmed + 1:
+            self.roll_back()  # the record is behind an entry Redis confirmed
+            return False
         return result == NOT_YET
+
+    def roll_back(self) -> None:
+        """Redis lost writes of this attempt it had confirmed: nothing more is written; the
+        runner reruns the job as a new attempt."""
+        self.stale = self.rolled_back = True
 
     def settle_terminal(self, result: int) -> bool:
         """Apply the terminal script's answer; True when it must be sent again."""
         assert self.terminal is not None
+        if result == NOT_YET and not self.stale and self.unconfirmed:
+            return True  # a delta entry is still missing: it goes first
         if result == NOT_YET and not self.stale:
-            return True
+            self.roll_back()  # every delta was confirmed, yet the record lacks one
         if not self.terminal.done.done():
             self.terminal.done.set_result(WRITTEN if result == WRITTEN and not self.stale else 0)
         return False
@@ -123,8 +137,10 @@ class Publisher:
         on_batch: BatchObserver | None = None,
         sender: BatchSender | None = None,
         round_trip_every: float = ROUND_TRIP_EVERY,
+        replication: Replication | None = None,
     ) -> None:
         self._records = records
+        self._replication = replication if replication and replication.enabled else None
         self._sender = sender if sender is not None else default_sender(redis)
         self._round_trip_every = round_trip_every
         self._not_before = 0.0  # loop time before which no round trip begins
@@ -151,12 +167,46 @@ class Publisher:
         self._mark(stream)
 
     async def finish(self, stream: JobStream, terminal: Terminal) -> bool:
-        """Write pending deltas then the terminal entry; False when the attempt is stale."""
+        """Write pending deltas then the terminal entry; False when the attempt is stale.
+
+        With replicas to wait for, the terminal write goes on the replication's connection,
+        once every delta landed, followed by ``WAIT`` (``terminal.replicated`` says whether
+        enough replicas acknowledged it)."""
         if stream.stale:
             return False
+        if self._replication is not None:
+            return await self._finish_replicated(stream, terminal, self._replication)
         stream.terminal = terminal
         self._mark(stream)
         return await asyncio.shield(terminal.done) == WRITTEN
+
+    async def _finish_replicated(
+        self, stream: JobStream, terminal: Terminal, replication: Replication
+    ) -> bool:
+        await self.flush(stream)
+        failures = 0
+        while not stream.stale:
+            args = self._terminal_args(terminal)
+            command = self._records.finish_command(stream.job_id, stream.attempt, stream.seq, args)
+            try:
+                (result,), acked = await replication.send(
+                    self._records.keys.job(stream.job_id), [command]
+                )
+                if isinstance(result, Exception):
+                    raise result
+            except NoScriptError:
+                await self._records.load_scripts()
+                continue
+            except RedisError as exc:
+                failures += 1
+                self._warn(1, exc)
+                await asyncio.sleep(pause(REDIS_WAIT, failures))
+                continue
+            if int(result) == NOT_YET:
+                stream.roll_back()  # every delta landed, yet the record lacks one
+            terminal.replicated = replication.enough(acked)
+            return int(result) == WRITTEN and not stream.stale
+        return False
 
     async def flush(self, stream: JobStream) -> None:
         """Until what was handed over for ``stream`` so far has landed (or the attempt went
@@ -232,7 +282,7 @@ class Publisher:
                 commands.append(records.delta_command(stream.job_id, stream.attempt, seq, data))
                 plan.append((stream, DELTA, seq))
             if stream.terminal is not None:
-                args = self._terminal_args(stream)
+                args = self._terminal_args(stream.terminal)
                 commands.append(
                     records.finish_command(stream.job_id, stream.attempt, stream.seq, args)
                 )
@@ -289,20 +339,7 @@ class Publisher:
             )
             self._refused, self._warned_at = 0, now
 
-    def _terminal_args(self, stream: JobStream) -> list[Any]:
-        assert stream.terminal is not None
-        term = stream.terminal
+    def _terminal_args(self, term: Terminal) -> list[Any]:
         flat = [item for pair in term.fields.items() for item in pair]
         data = dumps(term.event_data)
         return [term.event_type, data, self._records.retention, *flat]
-
-
-def default_sender(redis: RedisClient) -> BatchSender:
-    """:class:`ConnectionSender`; on a Cluster, :class:`ClusterSender` (a connection per
-    master); for an in-process stand-in Redis (fakeredis: the demo), which has no
-    connection of its own to make, :class:`PipelineSender`."""
-    if isinstance(redis, RedisCluster):
-        return ClusterSender(redis)
-    if is_fake(redis):
-        return PipelineSender(redis)
-    return ConnectionSender(redis)

@@ -166,6 +166,20 @@ redis.call('HINCRBY', KEYS[1], 'releases', 1)
 return 1
 """
 
+# KEYS: record. ARGV: attempt. After Redis lost writes of this attempt it had confirmed (a
+# failover to a replica that lacked them), the record is behind: back to queued, with the
+# attempt counter at least this attempt (so its writes stay fenced), this attempt not
+# counted. 'queued'; 'newer' when a later attempt started since; else the status it has.
+ROLLED_BACK = """
+local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt')
+if not cur[1] then return 'missing' end
+if (tonumber(cur[2]) or 0) > tonumber(ARGV[1]) then return 'newer' end
+if cur[1] ~= 'running' and cur[1] ~= 'queued' then return cur[1] end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '', 'attempt', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'releases', 1)
+return 'queued'
+"""
+
 # KEYS: record, events. ARGV: now, retention, the output fields (OUTPUT_FIELDS). A failed
 # (dead-lettered) job back to queued with a fresh attempt budget; the attempt counter stays
 # monotonic, so every write of an earlier attempt stays fenced. The old events stream (ended
@@ -234,6 +248,7 @@ class Records:
         self.finish_script: AsyncScript = redis.register_script(FINISH)
         self._release = redis.register_script(RELEASE)
         self._handback = redis.register_script(HANDBACK)
+        self._rolled_back = redis.register_script(ROLLED_BACK)
         self._requeue = redis.register_script(REQUEUE)
         self._cancel = redis.register_script(CANCEL)
 
@@ -312,6 +327,10 @@ class Records:
         """Give a running attempt back (status queued); False when it is not current."""
         return int(await self._release(keys=[self.keys.job(job_id)], args=[attempt])) == 1
 
+    async def rolled_back(self, job_id: str, attempt: int) -> str:
+        """Queue the job again after Redis lost writes of ``attempt`` (see ROLLED_BACK)."""
+        return as_text(await self._rolled_back(keys=[self.keys.job(job_id)], args=[attempt]))
+
     async def hand_back(self, job_id: str, entry: str) -> bool:
         """Release whatever attempt runs under ``entry`` (no live task runs it)."""
         return int(await self._handback(keys=[self.keys.job(job_id)], args=[entry])) == 1
@@ -332,10 +351,14 @@ class Records:
         pipe.hset(self.keys.job(job_id), "dead_letter", dead_entry)
         await pipe.execute()
 
-    async def closing_state(self, job_id: str) -> tuple[str, bool]:
-        """(status, dead_pending) of the record: what is left to do for its queue entry."""
-        status, pending = await self.redis.hmget(self.keys.job(job_id), ["status", "dead_pending"])
-        return (as_text(status) if status is not None else "missing"), pending is not None
+    async def closing_state(self, job_id: str) -> tuple[str, bool, int]:
+        """(status, dead_pending, attempt) of the record: what is left to do for its queue
+        entry."""
+        fields = ["status", "dead_pending", "attempt"]
+        status, pending, attempt = await self.redis.hmget(self.keys.job(job_id), fields)
+        status = as_text(status) if status is not None else "missing"
+        number = as_text(attempt) if attempt is not None else ""
+        return status, pending is not None, int(number) if number.isdigit() else 0
 
     async def cancel(self, job_id: str) -> str:
         args: list[str | int] = [f"{time.time():.6f}", self.retention]

@@ -39,6 +39,7 @@ from worker.publisher import Publisher
 from worker.queue import Entry, Queue
 from worker.records import Records, Started, as_text
 from worker.redis_client import RedisClient
+from worker.replication import Replication
 from worker.retry import REDIS_WAIT, often_enough, pause, retry_redis
 from worker.runtime import default_upstream_unset, startup_summary
 from worker.settings import Settings
@@ -90,8 +91,15 @@ class Worker:
         )
         self.metrics.in_flight.set_function(lambda: len(self.running) - self._waiting)
         self.http: MetricsServer | None = None  # /metrics, /healthz, /readyz
+        self.replication = Replication(
+            redis, settings.redis_wait_replicas, settings.redis_wait_timeout_ms
+        )
         self.publisher = Publisher(
-            redis, self.records, settings.publish_max_batch, on_batch=self.metrics.on_batch
+            redis,
+            self.records,
+            settings.publish_max_batch,
+            on_batch=self.metrics.on_batch,
+            replication=self.replication,
         )
         self.upstream = upstream or UpstreamClient(
             settings, on_retry=self.metrics.on_upstream_retry
@@ -175,6 +183,7 @@ class Worker:
         await self._requeue_unstarted()
         await cancel_and_wait(self._background)
         await self.publisher.stop()
+        await self.replication.aclose()
         await self._leave()
         await self.upstream.aclose()
         if self.http is not None:
@@ -356,7 +365,10 @@ class Worker:
             self.metrics.job_failed_unstarted()
         if started.dead_pending:
             await self._dead_letter(job_id, started.attempt)
-        await self.queue.ack(entry)
+        if started.state in ("terminal", "exhausted", "invalid"):
+            await self._ack_ended(entry, job_id)
+        else:
+            await self.queue.ack(entry)
 
     async def _dead_letter(self, job_id: str, attempt: int) -> None:
         reason = {"code": "attempts_exhausted", "attempts": attempt}
@@ -364,25 +376,64 @@ class Worker:
         await self.records.dead_lettered(job_id, dead_entry)
 
     async def _settle(self, run: Running, job: JobRun, outcome: Outcome) -> None:
-        if outcome is Outcome.FINISHED:
+        if outcome is Outcome.FINISHED and job.replicated:
             await self.queue.ack(run.entry)
+        elif outcome is Outcome.FINISHED:
+            self._leave_unreplicated(job.job_id)
         elif outcome is Outcome.RELEASED and not run.lost:
             if await self.records.release(job.job_id, job.attempt):
                 await self._requeue(run.entry, job.job_id)
         else:  # STALE or lost: a newer attempt owns the job, it ended, or its record is gone
-            await self._close_if_ended(run.entry, job.job_id, job.attempt)
+            await self._close_if_ended(run.entry, job, job.stream.rolled_back)
 
-    async def _close_if_ended(self, entry: Entry, job_id: str, attempt: int) -> None:
+    async def _close_if_ended(self, entry: Entry, job: JobRun, rolled_back: bool) -> None:
         """Ack the entry of a job that reached a terminal state (a retried terminal write
-        finds its own first write); leave it alone while a newer attempt runs."""
-        status, dead_pending = await self.records.closing_state(job_id)
+        finds its own first write); leave it alone while a newer attempt runs. A record
+        behind this attempt (Redis lost writes in a failover) is queued again."""
+        job_id, attempt = job.job_id, job.attempt
+        status, dead_pending, current = await self.records.closing_state(job_id)
         if dead_pending:
             await self._dead_letter(job_id, attempt)
-        if status == "missing":
+        if status in ("running", "queued") and (rolled_back or current < attempt):
+            await self._rerun_after_loss(entry, job_id, attempt)
+        elif status == "missing":
             log.error("job %s: its record is gone (expired, or lost by Redis); dropping", job_id)
             self.metrics.job_missing()
-        if status in TERMINAL_STATUSES or status == "missing":
             await self.queue.ack(entry)
+        elif status in TERMINAL_STATUSES:
+            await self._ack_ended(entry, job_id)
+
+    async def _ack_ended(self, entry: Entry, job_id: str) -> None:
+        """Ack the entry of a job whose record is terminal; with replicas to wait for, only
+        once they have that terminal state (else the entry stays, to be checked again by
+        whoever reclaims it after the lease)."""
+        if self.replication.enabled and not await self.replication.terminal_replicated(
+            self.keys.job(job_id)
+        ):
+            self._leave_unreplicated(job_id)
+            return
+        await self.queue.ack(entry)
+
+    def _leave_unreplicated(self, job_id: str) -> None:
+        log.warning(
+            "job %s: fewer than %d replicas acknowledged its terminal state within %d ms; its "
+            "queue entry stays and is checked again after the lease",
+            job_id,
+            self.replication.replicas,
+            self.replication.timeout_ms,
+        )
+
+    async def _rerun_after_loss(self, entry: Entry, job_id: str, attempt: int) -> None:
+        """The job back to the queue: its record is behind what this attempt wrote."""
+        state = await self.records.rolled_back(job_id, attempt)
+        log.warning(
+            "job %s: Redis lost writes of attempt %d; requeued (%s)", job_id, attempt, state
+        )
+        if state != "queued":
+            return
+        if await self.queue.requeue(entry, job_id) is None and not await self.queue.job_of(entry):
+            entry_id = await self.queue.add(job_id)  # the queue lost our entry too
+            await self.records.mark_queued(job_id, entry_id)
 
     async def _requeue(self, entry: Entry, job_id: str) -> None:
         if await self.queue.requeue(entry, job_id) is None:

@@ -124,8 +124,9 @@ class Settings(BaseSettings):
     redis_wait_timeout_ms: int = Field(
         2_000,
         ge=1,
-        le=60_000,
-        description="How long one WAIT for `redis_wait_replicas` replicas may take, ms.",
+        le=10_000,
+        description="How long one WAIT for `redis_wait_replicas` replicas may take, ms (below "
+        "the Redis socket timeout).",
     )
     block_ms: int = Field(
         2_000,

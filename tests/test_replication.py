@@ -1,0 +1,227 @@
+"""What happens when Redis loses writes it acknowledged, and waiting for replicas (WAIT).
+
+A failover to a replica that lacked the last writes leaves a job's record *behind* what
+its worker was told had landed. Here that is made by hand on a real redis-server (the
+record rewound under a running job) so each case is exact; test_failover.py makes it
+with real failovers. And CHATSTREAM_REDIS_WAIT_REPLICAS against a real master, first with
+no replica (WAIT times out), then with one attached (redis-server --replicaof).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from schemas.events import EventType
+from tests.conftest import Harness, RedisServer, chat, redis_executable
+from tests.support import (
+    check_stream,
+    eventually,
+    queue_is_drained,
+    status_of,
+    stream_entries,
+)
+from worker.client import Client
+from worker.errors import NotReplicatedError
+from worker.publisher import JobStream
+from worker.records import ALREADY, NOT_YET, WRITTEN
+from worker.runner import Worker
+from worker.settings import Settings
+
+# -- the publisher notices a record that fell behind ------------------------------------------
+
+
+def test_not_yet_right_after_a_confirmed_entry_means_redis_lost_it() -> None:
+    stream = JobStream("j", 1)
+    stream.seq, stream.unconfirmed = 3, [(1, "a"), (2, "b"), (3, "c")]
+    assert stream.settle_delta(1, WRITTEN) is False
+    assert stream.settle_delta(2, NOT_YET) is False and stream.rolled_back and stream.stale
+
+
+def test_not_yet_behind_an_unconfirmed_entry_is_only_a_resend() -> None:
+    stream = JobStream("j", 1)
+    stream.seq, stream.unconfirmed = 3, [(1, "a"), (2, "b"), (3, "c")]
+    assert stream.settle_delta(1, ALREADY) is False
+    # 2 was refused (not answered NOT_YET): 3 waits for it, as usual
+    assert stream.settle_delta(3, NOT_YET) is True and not stream.rolled_back
+
+
+async def rewind_while_streaming(h: Harness, field: str, value: str) -> str:
+    """A job streaming slowly; once it has 5 delta entries, its record's ``field`` is set
+    to ``value`` (what a failover that lost recent writes leaves); returns the job id."""
+    keys = h.worker.keys
+    job_id = await h.client.enqueue(chat("rewound", tokens=60, rate=20))  # 3 s
+    consume = asyncio.create_task(h.worker.consume())
+    try:
+
+        async def five_deltas() -> bool:
+            return len(await stream_entries(h.redis, keys, job_id)) >= 5
+
+        await eventually(five_deltas)
+        await h.redis.hset(keys.job(job_id), field, value)
+        await eventually(lambda: ended(h, job_id), timeout=20)
+    finally:
+        h.worker.stopping.set()
+        consume.cancel()
+        await asyncio.gather(consume, return_exceptions=True)
+    return job_id
+
+
+async def ended(h: Harness, job_id: str) -> bool:
+    return await status_of(h.redis, h.worker.keys, job_id) in ("succeeded", "failed")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seq", "2"), ("attempt", "0")],
+    ids=["confirmed-deltas-lost", "start-lost"],
+)
+async def test_a_job_whose_record_fell_behind_is_rerun_with_a_reset(
+    harness: Harness, field: str, value: str
+) -> None:
+    job_id = await rewind_while_streaming(harness, field, value)
+    record = await harness.client.get(job_id)
+    events = await stream_entries(harness.redis, harness.worker.keys, job_id)
+    assert record.status == "succeeded" and record.attempt == 2, (record, events)
+    check_stream(events, record)  # one terminal entry; the deltas after the reset are whole
+    assert [e.type for e in events].count(EventType.RESET) == 1
+    assert await queue_is_drained(harness.redis, harness.worker.keys)
+
+
+# -- waiting for replicas -----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def master(own_redis: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(own_redis.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+def waiting(settings: Settings, server: RedisServer, **updates: object) -> Settings:
+    return settings.model_copy(
+        update={
+            "redis_url": server.url,
+            "redis_wait_replicas": 1,
+            "redis_wait_timeout_ms": 300,
+            **updates,
+        }
+    )
+
+
+async def start_replica(master: RedisServer, directory: Path) -> RedisServer:
+    """A replica of ``master``, once the master counts it online (WAIT counts only those)."""
+    executable = redis_executable()
+    assert executable is not None
+    directory.mkdir()  # noqa: ASYNC240 (a local directory, before any server runs)
+    replica = RedisServer(executable, directory, "--replicaof", "127.0.0.1", str(master.port))
+    replica.start()
+    client = Redis.from_url(master.url, decode_responses=True)
+    try:
+
+        async def online() -> bool:
+            info = await client.info("replication")
+            return bool(info.get("slave0", {}).get("state") == "online")
+
+        await eventually(online, timeout=20)
+    finally:
+        await client.aclose()
+    return replica
+
+
+async def test_enqueue_without_a_replica_raises_yet_queues_the_job(
+    own_redis: RedisServer, master: Redis, settings: Settings, tmp_path: Path
+) -> None:
+    config = waiting(settings, own_redis)
+    client = Client.from_settings(config, master)
+    began = time.monotonic()
+    with pytest.raises(NotReplicatedError, match="0 of 1 replicas acknowledged it within 300 ms"):
+        await client.enqueue(chat("no replica"), job_id="lonely")
+    assert time.monotonic() - began < 3  # one bounded WAIT, not a hang
+    assert (await client.get("lonely")).status == "queued"  # the master has it all the same
+    assert await master.xlen(client.keys.queue) == 1
+    replica = await start_replica(own_redis, tmp_path / "replica")
+    try:
+        assert await client.enqueue(chat("no replica"), job_id="lonely") == "lonely"  # now it is
+        assert await client.enqueue(chat("with replica"), job_id="paired") == "paired"
+        assert await master.xlen(client.keys.queue) == 2
+    finally:
+        replica.stop()
+        await client.replication.aclose()
+
+
+async def test_a_job_is_acked_only_once_a_replica_has_its_terminal_state(
+    own_redis: RedisServer,
+    master: Redis,
+    settings: Settings,
+    mock_upstream: tuple[object, str],
+    tmp_path: Path,
+) -> None:
+    """No replica: the job succeeds (consumers see it all), but its queue entry stays.
+    Whoever takes it next (here: the entry the stopping worker handed back, read by a new
+    worker) checks again; with a replica attached by then, it is acked. Nothing runs
+    twice."""
+    _, url = mock_upstream
+    config = waiting(settings, own_redis, upstream_url=url, lease_seconds=1.5)
+    producer = Client.from_settings(config.model_copy(update={"redis_wait_replicas": 0}), master)
+    job_id = await producer.enqueue(chat("durable", tokens=4))
+    first = Worker(config, master)
+    await first.startup()
+    try:
+        assert await first.run_burst() == 1
+    finally:
+        await first.shutdown()
+    record = await producer.get(job_id)
+    assert record.status == "succeeded" and record.attempt == 1
+    # not acked: no replica has the terminal state (the stopping worker handed it back)
+    assert await master.xlen(producer.keys.queue) == 1
+    replica = await start_replica(own_redis, tmp_path / "replica")
+    second = Worker(config, master)
+    await second.startup()
+    try:
+        await asyncio.sleep(config.lease_seconds)  # the entry's lease runs out
+        await second.run_burst()
+        assert await queue_is_drained(master, producer.keys)
+    finally:
+        await second.shutdown()
+        replica.stop()
+    after = await producer.get(job_id)
+    assert (after.status, after.attempt) == ("succeeded", 1)  # checked, not run again
+    events = await stream_entries(master, producer.keys, job_id)
+    check_stream(events, after)
+
+
+async def test_the_terminal_write_waits_for_the_replica_when_there_is_one(
+    own_redis: RedisServer,
+    master: Redis,
+    settings: Settings,
+    mock_upstream: tuple[object, str],
+    tmp_path: Path,
+) -> None:
+    _, url = mock_upstream
+    replica = await start_replica(own_redis, tmp_path / "replica")
+    config = waiting(settings, own_redis, upstream_url=url)
+    try:
+        client = Client.from_settings(config, master)
+        ids = [await client.enqueue(chat(f"pair {i}", tokens=3)) for i in range(5)]
+        worker = Worker(config, master)
+        await worker.startup()
+        try:
+            assert await worker.run_burst() == 5
+        finally:
+            await worker.shutdown()
+        assert await queue_is_drained(master, client.keys)
+        copy = Redis.from_url(replica.url, decode_responses=True)
+        try:
+            for job_id in ids:  # the replica had each terminal state before its ack
+                assert await copy.hget(client.keys.job(job_id), "status") == "succeeded"
+        finally:
+            await copy.aclose()
+        await client.replication.aclose()
+    finally:
+        replica.stop()
