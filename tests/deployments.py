@@ -757,6 +757,23 @@ class Sentinels(Deployment):
             if flags is None or flags & SENTINEL_DOWN_FLAGS:
                 raise NotYet(f"{sentinel.name} sees {replica.name} with flags {flags}")
 
+    def rejoin(self, timeout: float = FAILOVER_TIMEOUT) -> Node:
+        """After a failover that killed the old master: start it again, empty, as a replica
+        of the new master (REPLICAOF at once, as Sentinel itself would some 10 s later) and
+        wait until it is in sync and every Sentinel sees it. Returns it."""
+        began = time.monotonic()
+        old = self.replica
+        old.start()
+        old.client.replicaof(HOST, self.master.port)
+
+        def rejoined() -> None:
+            check_replicating(old, self.master.port)
+            self._check_replica_seen(old)
+
+        self._wait(f"{old.name} replicating {self.master.name}", rejoined, timeout)
+        self._timed("rejoin", began)
+        return old
+
     def cut_off_replica(self, timeout: float = FAILOVER_TIMEOUT) -> Node:
         """The first step of a failover that loses acknowledged writes, as
         :meth:`Cluster.cut_off_replica` does it. Promote within about 10 s: Sentinel skips a

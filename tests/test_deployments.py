@@ -28,7 +28,7 @@ from tests.deployments import (
     sentinels,
 )
 
-pytestmark = pytest.mark.xdist_group("worker-processes")
+pytestmark = pytest.mark.slow  # real deployments; bounded waits, so they share the machine
 
 
 class Boom(Exception):
