@@ -28,7 +28,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -163,6 +163,7 @@ def sentinel_client(parsed: RedisUrl, settings: Settings) -> Redis:
     sentinel_kwargs: dict[str, Any] = {
         "socket_timeout": SENTINEL_SOCKET_TIMEOUT,
         "socket_connect_timeout": SENTINEL_SOCKET_TIMEOUT,
+        "retry": Retry(NoBackoff(), 0),  # the next Sentinel is asked; the master's retry waits
         "decode_responses": True,
         **({"ssl": True, **tls} if tls or parsed.tls else {}),
         **{name.removeprefix("sentinel_"): value for name, value in own.items()},
@@ -230,6 +231,14 @@ def slot_of(key: str) -> int:
     return int(key_slot(key.encode()))
 
 
+def _reason(exc: BaseException) -> str:
+    """The error's message; for Sentinel's, without redis-py's repr of every Sentinel."""
+    if isinstance(exc, MasterNotFoundError):
+        found = str(exc).split(" : ")[0]
+        return f"{found} (no Sentinel answered with one: unreachable, or no such service)"
+    return str(exc) or type(exc).__name__
+
+
 async def ensure_reachable(redis: RedisClient, where: str, timeout: float = REACH_SECONDS) -> None:
     """One PING, not retried, answered within ``timeout``, or RedisUnavailableError.
 
@@ -249,8 +258,7 @@ async def ensure_reachable(redis: RedisClient, where: str, timeout: float = REAC
             f"no answer from Redis at {where} within {timeout:g}s (is it a Redis server?)"
         ) from None
     except (RedisError, RedisClusterException, OSError) as exc:
-        reason = str(exc) or type(exc).__name__
-        raise RedisUnavailableError(f"cannot reach Redis at {where}: {reason}") from None
+        raise RedisUnavailableError(f"cannot reach Redis at {where}: {_reason(exc)}") from None
     finally:
         if retry is not None and isinstance(redis, Redis):
             redis.set_retry(retry)

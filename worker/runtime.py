@@ -68,7 +68,10 @@ def _parser_name(redis: RedisClient) -> str:
     return "hiredis" if "hiredis" in parser.__name__.lower() else "python"
 
 
-def _redis_description(settings: Settings) -> str:
+def _redis_description(settings: Settings, redis: RedisClient) -> str:
+    """Where Redis is, as configured: ``[kind ][user@]nodes[ service=...] tls=...``; a
+    one-server URL that :func:`worker.redis_client.connect` found to be a cluster node is
+    described as the cluster it is."""
     parsed = parse_redis_url(settings.redis_url)
     url = urlsplit(parsed.url)
     if url.scheme == "unix":
@@ -76,11 +79,12 @@ def _redis_description(settings: Settings) -> str:
     db = url.path.strip("/") or "0"
     user = f"{url.username}@" if url.username else ""
     tls = "on" if parsed.tls else "off"
-    if parsed.kind == "single":
+    if parsed.kind == "single" and not isinstance(redis, RedisCluster):
         return f"{user}{url.hostname}:{url.port or 6379}/{db} tls={tls}"
-    nodes = ",".join(f"{host}:{port}" for host, port in parsed.nodes)
+    nodes = parsed.nodes or ((url.hostname or "localhost", url.port or 6379),)
     service = f" service={parsed.service}/{db}" if parsed.kind == "sentinel" else ""
-    return f"{parsed.kind} {user}{nodes}{service} tls={tls}"
+    kind = "sentinel" if parsed.kind == "sentinel" else "cluster"
+    return f"{kind} {user}{','.join(f'{host}:{port}' for host, port in nodes)}{service} tls={tls}"
 
 
 def upstream_urls(settings: Settings) -> dict[str, str]:
@@ -102,7 +106,7 @@ def startup_summary(
     choices = runtime_choices(redis)
     upstreams = upstream_urls(settings)
     fields: dict[str, Any] = {
-        "redis": _redis_description(settings),
+        "redis": _redis_description(settings, redis),
         "prefix": settings.prefix,
         "upstreams": upstreams,
         "concurrency": settings.concurrency,
