@@ -13,12 +13,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from schemas.events import EventType
 from tests.conftest import Harness, RedisServer, chat, redis_executable
+from tests.gateway_env import running_gateway
 from tests.support import (
     check_stream,
     eventually,
@@ -225,3 +227,21 @@ async def test_the_terminal_write_waits_for_the_replica_when_there_is_one(
         await client.replication.aclose()
     finally:
         replica.stop()
+
+
+async def test_the_gateway_answers_503_when_no_replica_confirms_a_new_job(
+    own_redis: RedisServer, master: Redis, settings: Settings, mock_upstream: tuple[Any, str]
+) -> None:
+    config = waiting(settings, own_redis)
+    async with (
+        running_gateway(config, master, mock_upstream, worker=False) as gw,
+        gw.http() as http,
+    ):
+        body = {**chat("no replica"), "stream": False}
+        headers = {"idempotency-key": "once", "prefer": "respond-async"}
+        response = await http.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
+    error = response.json()["error"]
+    assert error["code"] == "not_replicated" and "0 of 1 replicas" in error["message"]
+    assert await master.xlen(gw.client.keys.queue) == 1  # queued on the master all the same

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from schemas.jobs import TERMINAL, JobStatus
 from schemas.requests import JOB_ID_PATTERN, ChatRequest
 from worker.client import Client
-from worker.errors import ChatstreamError, InvalidJobError, JobNotFoundError
+from worker.errors import ChatstreamError, InvalidJobError, JobNotFoundError, NotReplicatedError
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKey, ApiKeys, bearer
 from worker.gateway.hub import JobFeed, Row, event_hub, is_terminal
@@ -234,6 +234,11 @@ class Gateway:
             job_id = await self.client.enqueue(body, job_id=job_id, metadata=metadata)
         except InvalidJobError as exc:
             raise GatewayError(400, exc.message, code="invalid_request") from None
+        except NotReplicatedError as exc:  # queued on the master: a retry waits again
+            headers = {"retry-after": "1"}
+            raise GatewayError(
+                503, exc.message, type_="server_error", code="not_replicated", headers=headers
+            ) from None
         return dataclasses.replace(info, job_id=job_id)
 
     # -- answering --------------------------------------------------------------------------
