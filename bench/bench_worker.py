@@ -82,7 +82,7 @@ class Plan:
     refine: int = 2
     keys_per_read: int = 100
     consumers: int = 1
-    phases: tuple[str, ...] = ("throughput", "capacity", "tls", "memory")
+    phases: tuple[str, ...] = ("throughput", "capacity", "tls", "memory", "cluster")
     coalesced_tick: float = 0.1  # the extra "coalesced" phase's mock tick
     memory_streams: int = 1000
     memory_rate: float = 5.0  # slow enough that the CPU does not limit the memory phase
@@ -932,6 +932,10 @@ def report(results: dict[str, dict[str, Any]], plan: Plan, quick: bool) -> None:
         print(f"{name:<34}{x:>12}{y:>14}{r:>8}{goal:>9}  {verdict}")
     if "runtime" in ours:
         print(f"chatstream's worker ran on: {ours['runtime']} (its start-up line)")
+    if "cluster" in ours:
+        from cluster_phase import cluster_table
+
+        print("\n" + "\n".join(cluster_table(ours["cluster"])))
     if quick:
         print(f"(--quick: small sizes, capacity capped at {plan.max_streams} streams: a smoke run)")
 
@@ -1074,6 +1078,11 @@ async def run_phases(
             results[system.name][phase + "-steps"] = steps
     for system in systems if "memory" in plan.phases else []:
         results[system.name]["memory"] = await memory(env, system)
+    if "cluster" in plan.phases and any(system.name == "ours" for system in systems):
+        from cluster_phase import cluster_phase
+
+        print("cluster: chatstream on one server and on a 3-master cluster", flush=True)
+        results["ours"]["cluster"] = await cluster_phase(env, spawn, redis_server)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
@@ -1082,8 +1091,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
     parser.add_argument("--only", choices=["ours", "peer"], help="run one system only")
     parser.add_argument(
         "--phase",
-        help="comma-separated phases: throughput, capacity, tls, memory (default: all four),"
-        " coalesced (extra: capacity with a coalescing mock)",
+        help="comma-separated phases: throughput, capacity, tls, memory, cluster (default: all"
+        " five), coalesced (extra: capacity with a coalescing mock)",
     )
     parser.add_argument("--duration", type=float, help="seconds of streaming per step")
     parser.add_argument("--start", type=int, help="first capacity step (both systems)")
@@ -1121,6 +1130,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
             "tls",
             "memory",
             "coalesced",
+            "cluster",
         }
         if unknown:
             parser.error(f"unknown phases {sorted(unknown)}")
