@@ -108,6 +108,7 @@ async def test_stats_and_hand_back_count_every_shard(sharded: Harness) -> None:
     assert (stats.queue_length, stats.pending) == (7, len(mine))
     assert stats.pending_by_consumer == {"holder": len(mine)}
     assert stats.waiting == 7 - len(mine)
+    assert stats.queue_keys == list(keys.queues) and len(stats.queue_keys) == SHARDS
     for entry in mine:  # what a stopping worker does with entries it never started
         assert entry.job_id in ids
         assert await held.requeue(entry, entry.job_id or "") is not None

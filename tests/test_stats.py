@@ -65,7 +65,7 @@ async def test_stats_of_a_busy_queue(settings: Settings, redis: Redis) -> None:
 async def test_stats_before_any_worker_ran(settings: Settings, redis: Redis) -> None:
     keys = Keys(settings.prefix)
     empty = await collect(redis, keys, live_window=30)
-    assert empty == Stats(0, 0, 0, {}, None, 0, [], [])
+    assert empty == Stats(0, 0, 0, {}, None, 0, [], [], [f"{settings.prefix}:queue"])
     assert "oldest wait   -" in render(empty)
     await Client.from_settings(settings, redis).enqueue(chat("first"))  # no group yet
     queued = await collect(redis, keys, live_window=30)

@@ -39,6 +39,7 @@ class Stats:
     dead_letters: int
     live_workers: list[str] = field(default_factory=list)
     stale_workers: list[str] = field(default_factory=list)
+    queue_keys: list[str] = field(default_factory=list)  # the shards, in order
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +87,7 @@ async def collect(redis: RedisClient, keys: Keys, live_window: float) -> Stats:
         dead_letters=counts.dead,
         live_workers=sorted(live),
         stale_workers=sorted(stale),
+        queue_keys=list(keys.queues),
     )
 
 
@@ -130,6 +132,8 @@ def render(stats: Stats) -> str:
         f"workers       {len(stats.live_workers)} live, {len(stats.stale_workers)} stale",
         f"dead letters  {stats.dead_letters}",
     ]
+    if len(stats.queue_keys) > 1:
+        lines.insert(1, f"shards        {len(stats.queue_keys)} queue streams")
     for name, count in sorted(stats.pending_by_consumer.items()):
         lines.append(f"  pending  {count:>6}  {name}")
     for name in stats.live_workers:
