@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis as sync_redis
@@ -30,6 +30,9 @@ from worker.mock_upstream import MockConfig, MockUpstream, serve_mock
 from worker.redis_client import RedisClient
 from worker.runner import Worker
 from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from tests.deployments import Cluster, Sentinels
 
 
 def free_port() -> int:
@@ -226,3 +229,21 @@ async def harness(
     await worker.startup()
     yield Harness(settings, redis, app, worker, Client.from_settings(settings, redis))
     await worker.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster3() -> Iterator[Cluster]:
+    """A 3-master Redis Cluster (tests/deployments.py), one per test module."""
+    from tests import deployments  # (which imports this module)
+
+    with deployments.cluster(masters=3) as deployment:
+        yield deployment
+
+
+@pytest.fixture(scope="module")
+def sentinel_set() -> Iterator[Sentinels]:
+    """1 master, 1 replica, 3 Sentinels (tests/deployments.py), one per test module."""
+    from tests import deployments
+
+    with deployments.sentinels() as deployment:
+        yield deployment

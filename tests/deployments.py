@@ -270,6 +270,18 @@ class Deployment:
         """Record in ``timings`` how long ``operation`` (start, failover, ...) took."""
         self.timings.append((operation, time.monotonic() - began))
 
+    def _cut_off(self, master: Node, replica: Node, timeout: float) -> Node:
+        """``master`` refuses ``replica``'s replication from now on (see the callers)."""
+        began = time.monotonic()
+        cut_off(master, replica)
+        self._wait(
+            f"{replica.name} cut off from {master.name}",
+            lambda: check_cut_off(master, replica),
+            timeout,
+        )
+        self._timed("cut_off_replica", began)
+        return replica
+
     def close(self) -> None:
         """SIGKILL every process and remove the directory."""
         for node in self.nodes:
@@ -558,16 +570,7 @@ class Cluster(Deployment):
         untouched. Unlike SIGSTOPping the replica this cannot leak writes: a stopped
         replica's socket still buffers what the master sends and applies it on SIGCONT.
         """
-        replica = self.replica_of(master)
-        began = time.monotonic()
-        cut_off(master, replica)
-        self._wait(
-            f"{replica.name} cut off from {master.name}",
-            lambda: check_cut_off(master, replica),
-            timeout,
-        )
-        self._timed("cut_off_replica", began)
-        return replica
+        return self._cut_off(master, self.replica_of(master), timeout)
 
     def promote_lagging_replica(self, master: Node, timeout: float = FAILOVER_TIMEOUT) -> Node:
         """The second step: SIGKILL ``master``, make its cut-off replica master at once
@@ -779,16 +782,7 @@ class Sentinels(Deployment):
         :meth:`Cluster.cut_off_replica` does it. Promote within about 10 s: Sentinel skips a
         replica whose link has been down longer than 10 x down-after-milliseconds (plus the
         time the master has been down). Returns the replica."""
-        master, replica = self.master, self.replica
-        began = time.monotonic()
-        cut_off(master, replica)
-        self._wait(
-            f"{replica.name} cut off from {master.name}",
-            lambda: check_cut_off(master, replica),
-            timeout,
-        )
-        self._timed("cut_off_replica", began)
-        return replica
+        return self._cut_off(self.master, self.replica, timeout)
 
     def promote_lagging_replica(self, timeout: float = FAILOVER_TIMEOUT) -> Node:
         """The second step: SIGKILL the master and wait until the Sentinels promote the

@@ -51,6 +51,28 @@ class Result:
     stderr: str
 
 
+async def run_chatstream(
+    args: tuple[str, ...], env: dict[str, str], cwd: Path, cores: asyncio.Semaphore, timeout: float
+) -> Result:
+    """Run a command to its end within ``timeout`` seconds of its start. At most one command
+    per ``cores`` slot runs at once: a deadline is the user's wait for one command, not for
+    ten started together on a busy two-core machine."""
+    async with cores:
+        process = await asyncio.create_subprocess_exec(
+            CHATSTREAM, *args, env=env, cwd=cwd,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(timeout):
+                out, err = await process.communicate()
+        except TimeoutError:
+            process.kill()
+            await process.communicate()
+            raise
+    assert process.returncode is not None
+    return Result(process.returncode, out.decode(), err.decode())
+
+
 @dataclass
 class Cli:
     env: dict[str, str]
@@ -83,20 +105,8 @@ class Cli:
     async def run(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 20
     ) -> Result:
-        """Run a command to its end within ``timeout`` seconds of its start. At most one
-        command per core runs at once: a deadline is the user's wait for one command, not
-        for ten started together on a busy two-core machine."""
-        async with self.cores:
-            process = await self.start(*args, env=env)
-            try:
-                async with asyncio.timeout(timeout):
-                    out, err = await process.communicate()
-            except TimeoutError:
-                process.kill()
-                await process.communicate()
-                raise
-        assert process.returncode is not None
-        return Result(process.returncode, out.decode(), err.decode())
+        environment = {**self.env, **(env or {})}
+        return await run_chatstream(args, environment, self.cwd, self.cores, timeout)
 
     def popen_worker(self, log: IO[bytes], *args: str) -> subprocess.Popen[bytes]:
         return spawn_worker(self.env, self.cwd, log, *args)

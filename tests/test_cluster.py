@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -21,7 +21,6 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from schemas.jobs import JobStatus
-from tests import deployments
 from tests.conftest import MOCK, Harness, chat
 from tests.deployments import Cluster, Node, Sentinels
 from tests.gateway_env import chunks_of, content_of, running_gateway, sse_events
@@ -37,18 +36,6 @@ from worker.settings import Settings
 from worker.stats import collect
 
 SHARDS = 3
-
-
-@pytest.fixture(scope="module")
-def cluster3() -> Iterator[Cluster]:
-    with deployments.cluster(masters=3) as deployment:
-        yield deployment
-
-
-@pytest.fixture(scope="module")
-def sentinel_set() -> Iterator[Sentinels]:
-    with deployments.sentinels() as deployment:
-        yield deployment
 
 
 async def harness_on(

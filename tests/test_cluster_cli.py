@@ -18,7 +18,7 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +26,9 @@ from typing import Any
 
 import pytest
 
-from tests import deployments
 from tests.conftest import MOCK, chat, free_port
 from tests.deployments import Cluster, Sentinels
 from tests.support import (
-    CHATSTREAM,
     clean_env,
     eventually,
     queue_is_drained,
@@ -39,7 +37,7 @@ from tests.support import (
     stop_worker,
     stream_entries,
 )
-from tests.test_cli import DEADLINE, Result, assert_one_line_error
+from tests.test_cli import DEADLINE, Result, assert_one_line_error, run_chatstream
 from worker.client import Client
 from worker.keys import Keys
 from worker.mock_upstream import MockUpstream, expected_reply
@@ -51,18 +49,6 @@ SECRET = "s3cret"
 AUTH = f"default:{SECRET}@"  # the nopass ``default`` user accepts any password
 CORES = os.cpu_count() or 2
 SLOW = {"tokens": 2000, "rate": 20}  # 100 s of reply: it runs until cancelled
-
-
-@pytest.fixture(scope="module")
-def cluster3() -> Iterator[Cluster]:
-    with deployments.cluster(masters=3) as deployment:
-        yield deployment
-
-
-@pytest.fixture(scope="module")
-def sentinel_set() -> Iterator[Sentinels]:
-    with deployments.sentinels() as deployment:
-        yield deployment
 
 
 @dataclass(frozen=True)
@@ -132,20 +118,8 @@ class Operator:
     ) -> Result:
         """One command to its end within ``timeout`` seconds of its start; at most
         ``at_once`` (one per core) run together: a deadline is one command's, not a queue's."""
-        async with self.cores:
-            process = await asyncio.create_subprocess_exec(
-                CHATSTREAM, *args, env={**self.env, **(env or {})}, cwd=self.cwd,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            )  # fmt: skip
-            try:
-                async with asyncio.timeout(timeout):
-                    out, err = await process.communicate()
-            except TimeoutError:
-                process.kill()
-                await process.communicate()
-                raise
-        assert process.returncode is not None
-        result = Result(process.returncode, out.decode(), err.decode())
+        environment = {**self.env, **(env or {})}
+        result = await run_chatstream(args, environment, self.cwd, self.cores, timeout)
         self.results.append(result)
         return result
 

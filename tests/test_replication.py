@@ -136,6 +136,16 @@ async def start_replica(master: RedisServer, directory: Path) -> RedisServer:
     return replica
 
 
+async def run_worker(config: Settings, redis: Redis) -> int:
+    """A worker started, run until the queue is empty, stopped; the jobs it ran."""
+    worker = Worker(config, redis)
+    await worker.startup()
+    try:
+        return await worker.run_burst()
+    finally:
+        await worker.shutdown()
+
+
 async def test_enqueue_without_a_replica_raises_yet_queues_the_job(
     own_redis: RedisServer, master: Redis, settings: Settings, tmp_path: Path
 ) -> None:
@@ -172,25 +182,17 @@ async def test_a_job_is_acked_only_once_a_replica_has_its_terminal_state(
     config = waiting(settings, own_redis, upstream_url=url, lease_seconds=1.5)
     producer = Client.from_settings(config.model_copy(update={"redis_wait_replicas": 0}), master)
     job_id = await producer.enqueue(chat("durable", tokens=4))
-    first = Worker(config, master)
-    await first.startup()
-    try:
-        assert await first.run_burst() == 1
-    finally:
-        await first.shutdown()
+    assert await run_worker(config, master) == 1
     record = await producer.get(job_id)
     assert record.status == "succeeded" and record.attempt == 1
     # not acked: no replica has the terminal state (the stopping worker handed it back)
     assert await master.xlen(producer.keys.queue) == 1
     replica = await start_replica(own_redis, tmp_path / "replica")
-    second = Worker(config, master)
-    await second.startup()
     try:
         await asyncio.sleep(config.lease_seconds)  # the entry's lease runs out
-        await second.run_burst()
+        await run_worker(config, master)
         assert await queue_is_drained(master, producer.keys)
     finally:
-        await second.shutdown()
         replica.stop()
     after = await producer.get(job_id)
     assert (after.status, after.attempt) == ("succeeded", 1)  # checked, not run again
@@ -211,12 +213,7 @@ async def test_the_terminal_write_waits_for_the_replica_when_there_is_one(
     try:
         client = Client.from_settings(config, master)
         ids = [await client.enqueue(chat(f"pair {i}", tokens=3)) for i in range(5)]
-        worker = Worker(config, master)
-        await worker.startup()
-        try:
-            assert await worker.run_burst() == 5
-        finally:
-            await worker.shutdown()
+        assert await run_worker(config, master) == 5
         assert await queue_is_drained(master, client.keys)
         copy = Redis.from_url(replica.url, decode_responses=True)
         try:
