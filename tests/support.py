@@ -277,6 +277,17 @@ class WorkerProcesses:
     def output(self) -> str:
         return "\n".join(f"--- {log.name}\n{log.read_text()}" for log in self.logs)
 
+    async def stop(self, processes: list[subprocess.Popen[bytes]], timeout: float = 15) -> str:
+        """SIGTERM to ``processes``: each must exit 0 within ``timeout`` seconds, with no
+        traceback in any log; returns the logs."""
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        codes = [await asyncio.to_thread(process.wait, timeout) for process in processes]
+        output = self.output()
+        assert codes == [0] * len(processes), output
+        assert "Traceback" not in output, output
+        return output
+
     def kill_all(self) -> None:
         for process in self.processes:
             if process.poll() is None:

@@ -158,11 +158,7 @@ async def test_jobs_survive_workers_killed_every_few_seconds(
             elapsed = time.monotonic() - started
             for process in live:
                 await group.ready(process, redis, keys)  # its signal handlers are set
-                process.send_signal(signal.SIGTERM)
-            codes = [await asyncio.to_thread(p.wait, 15) for p in live]
-            output = group.output()
-    assert codes == [0] * WORKERS, output
-    assert "Traceback" not in output, output
+            await group.stop(live)
     records = await check_all(redis, keys, requests, ids)
     attempts = Counter(record.attempt for record in records)
     measured = [await output_again_after(redis, keys, k) for k in killed]
@@ -231,12 +227,7 @@ async def test_jobs_survive_redis_restarts(
                     await _restart(aof_server, down_for)
                 await eventually(lambda: all_terminal(redis, keys, ids), 90, every=0.2)
                 assert all(p.poll() is None for p in workers), group.output()
-                for process in workers:
-                    process.send_signal(signal.SIGTERM)
-                codes = [await asyncio.to_thread(p.wait, 15) for p in workers]
-                output = group.output()
-        assert codes == [0, 0], output
-        assert "Traceback" not in output, output
+                output = await group.stop(workers)
         assert "WARNING" in output  # the outages did reach the workers
         records = await check_all(redis, keys, requests, ids)
         assert all(record.attempt == 1 for record in records)  # no lease ran out
