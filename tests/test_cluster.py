@@ -25,6 +25,7 @@ from tests.conftest import MOCK, Harness, chat
 from tests.deployments import Cluster, Node, Sentinels
 from tests.gateway_env import chunks_of, content_of, running_gateway, sse_events
 from tests.support import check_stream, eventually, queue_is_drained, stream_entries
+from tests.test_shards import spread
 from worker.batch import ConnectionSender
 from worker.client import Client
 from worker.cluster_batch import ClusterSender
@@ -179,7 +180,9 @@ async def running(h: Harness, job_id: str) -> bool:
 async def test_a_dead_workers_jobs_are_taken_over_on_every_shard(on_cluster: Harness) -> None:
     h = on_cluster
     dead = Queue(h.redis, h.worker.keys, "dead-worker")
-    ids = [await h.client.enqueue(chat(f"orphan {i}", tokens=2)) for i in range(9)]
+    ids = [
+        await h.client.enqueue(chat("orphan", tokens=2), job_id=i) for i in spread(h.worker.keys)
+    ]
     held = [entry for _ in range(SHARDS) for entry in await dead.read(9, None)]
     assert {entry.shard for entry in held} == set(range(SHARDS))
     taken, emptied = await h.worker.queue.take_over("dead-worker", 100)

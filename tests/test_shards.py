@@ -6,6 +6,7 @@ Test_cluster.py runs the same on a real Redis Cluster."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -27,6 +28,18 @@ async def sharded(harness: Harness) -> AsyncIterator[Harness]:
     await harness.worker.shutdown()  # the default one-shard worker steps aside
     async with custom_harness(harness, queue_shards=SHARDS) as h:
         yield h
+
+
+def spread(keys: Keys, per_shard: int = 3) -> list[str]:
+    """Job ids that ``Client.enqueue`` puts ``per_shard`` on every shard."""
+    ids: dict[int, list[str]] = {shard: [] for shard in range(keys.shards)}
+    for n in itertools.count():
+        job_id = f"spread-{n}"
+        if len(found := ids[keys.shard_of(job_id)]) < per_shard:
+            found.append(job_id)
+        if all(len(found) == per_shard for found in ids.values()):
+            return [job_id for found in ids.values() for job_id in found]
+    raise AssertionError("unreachable")
 
 
 async def shard_lengths(redis: RedisClient, keys: Keys) -> list[int]:
@@ -88,7 +101,7 @@ async def test_a_waiting_worker_starts_a_job_on_any_shard_at_once(sharded: Harne
 async def test_a_dead_workers_entries_on_every_shard_are_taken_over(sharded: Harness) -> None:
     keys = sharded.worker.keys
     dead = Queue(sharded.redis, keys, "dead-worker")
-    ids = [await sharded.client.enqueue(chat(f"orphan {i}", tokens=2)) for i in range(9)]
+    ids = [await sharded.client.enqueue(chat("orphan", tokens=2), job_id=i) for i in spread(keys)]
     delivered = [entry for _ in range(3) for entry in await dead.read(9, None)]
     assert {entry.shard for entry in delivered} == {0, 1, 2} and len(delivered) == 9
     taken, emptied = await sharded.worker.queue.take_over("dead-worker", 100)
@@ -127,3 +140,33 @@ async def test_dead_letters_are_requeued_on_the_jobs_shard(sharded: Harness) -> 
     assert await client.requeue(job_id) == "requeued"
     lengths = await shard_lengths(sharded.redis, keys)
     assert lengths[keys.shard_of(job_id)] == 1 and sum(lengths) == 1
+
+
+async def test_blocking_reads_reserve_no_more_than_the_free_slots(sharded: Harness) -> None:
+    """What reads still waiting may deliver counts against the next call's free slots, so a
+    worker never holds more than one entry per shard beyond its free slots."""
+    keys = sharded.worker.keys
+    queue = Queue(sharded.redis, keys, "reserving")
+    await queue.ensure_group()
+
+    async def add(shard: int, n: int) -> None:
+        """n entries at once (MULTI: a blocked read sees them all, not the first alone)."""
+        pipe = sharded.redis.pipeline(transaction=True)
+        for i in range(n):
+            pipe.xadd(keys.queue_shard(shard), {"job": f"s{shard}-{i}"})
+        await pipe.execute()
+
+    first = asyncio.create_task(queue.read(30, 2_000))  # all empty: 3 reads of 10 each
+    await asyncio.sleep(0.2)
+    await add(0, 1)
+    assert len(await first) == 1  # 29 slots free now; shards 1 and 2 still hold 10 each
+    assert {shard: share for shard, (_, share) in queue._waiting.items()} == {1: 10, 2: 10}
+    await add(0, 9)
+    assert len(await queue.read(29, 2_000)) == 9  # 29 - 20 reserved
+    third = asyncio.create_task(queue.read(20, 2_000))  # nothing left: shard 0 gets 1 more
+    await asyncio.sleep(0.2)
+    shares = {shard: share for shard, (_, share) in queue._waiting.items()}
+    assert shares == {0: 1, 1: 10, 2: 10}
+    await add(1, 12)
+    assert len(await third) == 10
+    await queue.close()

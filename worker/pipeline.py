@@ -243,13 +243,7 @@ async def write_terminal(
     written = await services.publisher.finish(job.stream, terminal)
     job.replicated = terminal.replicated
     if not written and job.stream.rolled_back:
-        log.warning(
-            "job %s attempt %d: Redis lost entries of it that it had confirmed (a failover "
-            "to a replica that lacked them); the job is rerun",
-            job.job_id,
-            job.attempt,
-        )
-        return Outcome.STALE
+        return Outcome.STALE  # Redis lost its writes: the runner requeues it, saying so
     if not written:
         log.warning(
             "job %s attempt %d: terminal write refused (a newer attempt owns the job, or a "

@@ -160,7 +160,7 @@ class Queue:
         self._reclaim_cursor = ["0-0"] * keys.shards
         self._reclaim_shard = 0
         self._next_shard = 0
-        self._waiting: dict[int, asyncio.Task[list[Entry]]] = {}
+        self._waiting: dict[int, tuple[asyncio.Task[list[Entry]], int]] = {}  # shard: read, share
 
     @property
     def shards(self) -> range:
@@ -202,19 +202,23 @@ class Queue:
         if self.keys.shards == 1:
             return await self._read_shard(0, count, block_ms)
         entries = self._ready()
+        budget = count - self._reserved()  # what reads still waiting may deliver is theirs
         for shard in self._rotation():
-            if len(entries) >= count:
-                return entries
+            if len(entries) >= budget:
+                break
             if shard not in self._waiting:
-                entries += await self._read_shard(shard, count - len(entries), None)
+                entries += await self._read_shard(shard, budget - len(entries), None)
         if entries or block_ms is None:
             return entries
         return await self._wait_any(count, block_ms)
 
+    def _reserved(self) -> int:
+        return sum(share for _, share in self._waiting.values())
+
     def _ready(self) -> list[Entry]:
         """What blocking reads left by an earlier call delivered since."""
         entries: list[Entry] = []
-        for shard, task in list(self._waiting.items()):
+        for shard, (task, _) in list(self._waiting.items()):
             if task.done():
                 del self._waiting[shard]
                 if not task.cancelled() and task.exception() is None:
@@ -222,12 +226,17 @@ class Queue:
         return entries
 
     async def _wait_any(self, count: int, block_ms: int) -> list[Entry]:
-        share = max(1, count // self.keys.shards)
-        for shard in self.shards:
-            if shard not in self._waiting:
-                read = self._read_shard(shard, share, block_ms)
-                self._waiting[shard] = asyncio.create_task(read, name=f"queue-read-{shard}")
-        done, _ = await asyncio.wait(self._waiting.values(), return_when=asyncio.FIRST_COMPLETED)
+        """A blocking read on every shard not read yet, each for a share of what the reads
+        still waiting left of ``count``; returns once one delivered (or all timed out)."""
+        idle = [shard for shard in self.shards if shard not in self._waiting]
+        share = max(1, (count - self._reserved()) // max(1, len(idle)))
+        for shard in idle:
+            read = asyncio.create_task(
+                self._read_shard(shard, share, block_ms), name=f"queue-read-{shard}"
+            )
+            self._waiting[shard] = (read, share)
+        tasks = [task for task, _ in self._waiting.values()]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         failed = [task.exception() for task in done if not task.cancelled()]
         entries = self._ready()
         if not entries and (error := next((exc for exc in failed if exc is not None), None)):
@@ -250,7 +259,7 @@ class Queue:
     async def close(self) -> None:
         """Stop the blocking reads still waiting (what they were delivered is handed back
         or reclaimed: it is in this consumer's pending list)."""
-        await cancel_and_wait(list(self._waiting.values()))
+        await cancel_and_wait([task for task, _ in self._waiting.values()])
         self._waiting.clear()
 
     async def reclaim(self, count: int, lease_ms: int) -> list[Entry]:

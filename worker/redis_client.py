@@ -185,14 +185,14 @@ async def connect(settings: Settings) -> RedisClient:
     """:func:`redis_from_settings` once Redis answered a PING (within seconds, else
     RedisUnavailableError), a one-server URL of a Cluster node turned into a cluster client
     (one ``INFO cluster``), and a cluster client's slot map loaded."""
+    parsed = parse_redis_url(settings.redis_url)
     redis = redis_from_settings(settings)
     try:
         await ensure_reachable(redis, redacted_url(settings.redis_url))
-        if isinstance(redis, Redis) and await _cluster_enabled(redis):
+        if parsed.kind == "single" and isinstance(redis, Redis) and await _cluster_enabled(redis):
             await redis.aclose()
-            nodes = _node_of(redis)
-            one = parse_redis_url(settings.redis_url).url
-            redis = cluster_client(RedisUrl("cluster", one, nodes), settings)
+            cluster = RedisUrl("cluster", parsed.url, _node_of(redis))
+            redis = cluster_client(cluster, settings)
         if isinstance(redis, RedisCluster):
             await redis.initialize()
     except BaseException:

@@ -426,11 +426,12 @@ class Worker:
     async def _rerun_after_loss(self, entry: Entry, job_id: str, attempt: int) -> None:
         """The job back to the queue: its record is behind what this attempt wrote."""
         state = await self.records.rolled_back(job_id, attempt)
-        log.warning(
-            "job %s: Redis lost writes of attempt %d; requeued (%s)", job_id, attempt, state
-        )
-        if state != "queued":
+        if state != "queued":  # a newer attempt started since, or the job ended
+            log.info(
+                "job %s: Redis lost writes of attempt %d; the job is %s", job_id, attempt, state
+            )
             return
+        log.warning("job %s: Redis lost writes of attempt %d; requeued", job_id, attempt)
         if await self.queue.requeue(entry, job_id) is None and not await self.queue.job_of(entry):
             entry_id = await self.queue.add(job_id)  # the queue lost our entry too
             await self.records.mark_queued(job_id, entry_id)
