@@ -35,6 +35,7 @@ from worker.redis_client import connect, slot_of
 from worker.runner import Worker
 from worker.settings import Settings
 from worker.stats import collect
+from worker.tasks import cancel_and_wait
 
 SHARDS = 3
 
@@ -165,8 +166,7 @@ async def test_cancel_requeue_and_progress_on_a_cluster(on_cluster: Harness) -> 
         assert (await h.client.result(failed, timeout=10)).status is JobStatus.FAILED
     finally:
         h.worker.stopping.set()
-        consume.cancel()
-        await asyncio.gather(consume, return_exceptions=True)
+        await cancel_and_wait([consume])
     for job_id in (slow, failed):
         check_stream(
             await stream_entries(h.redis, h.worker.keys, job_id), await h.client.get(job_id)

@@ -50,6 +50,7 @@ from worker.queue import Queue
 from worker.records import Records
 from worker.runner import Worker
 from worker.settings import Settings
+from worker.tasks import cancel_and_wait
 
 # one at a time on one test process: their workers' leases and heartbeats run on real clocks
 pytestmark = pytest.mark.xdist_group("worker-processes")
@@ -660,8 +661,12 @@ def arriving_request(i: int) -> dict[str, Any]:
     return chat(f"job {i}", tokens=20, rate=20, key=f"f{i}")
 
 
+FROZEN_HEARTBEAT_TIMEOUT = 4.0
+FROZEN_FOR = 9.0  # past the heartbeat timeout and two short leases
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lease", [3.0, 30.0], ids=["freeze-of-two-leases", "default-lease"])
+@pytest.mark.parametrize("lease", [4.0, 30.0], ids=["freeze-of-two-leases", "default-lease"])
 async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
     redis_server: RedisServer | None,
     redis: Redis,
@@ -670,9 +675,11 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
     tmp_path: Path,
     lease: float,
 ) -> None:
-    """Three workers, jobs arriving every 50 ms; one is frozen (SIGSTOP) for 6 s, which is
-    past its heartbeat timeout (3 s) and, with the short lease, two leases (a live worker
-    renews every second, so it keeps its leases through a stall of up to 2 s). Its blocked
+    """Three workers, jobs arriving every 50 ms; one is frozen (SIGSTOP) for 9 s, which is
+    past its heartbeat timeout (4 s here) and, with the short lease, two leases. A live
+    worker keeps its jobs through a stall shorter than both (it renews every lease/3): the
+    4 s, not the default 3 s, leave room for the stalls of a busy machine (in a full CI run
+    on 2 cores a live worker once stalled past 3 s). Its blocked
     queue read is served while it is frozen. The jobs it ran are taken over once (attempt 2);
     when it wakes it starts nothing from its late read and supersedes no live attempt: every
     other job runs once, attempt 1, one upstream call."""
@@ -680,7 +687,15 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
     mock, url = mock_upstream
     keys, client = Keys(prefix), Client(redis, prefix=prefix)
     # the default block: a read stays blocked (and is served while frozen) for up to 2 s
-    env = worker_env(server.url, prefix, url, lease_seconds=lease, concurrency=16, block_ms=2000)
+    env = worker_env(
+        server.url,
+        prefix,
+        url,
+        lease_seconds=lease,
+        heartbeat_timeout=FROZEN_HEARTBEAT_TIMEOUT,
+        concurrency=16,
+        block_ms=2000,
+    )
     requests: list[dict[str, Any]] = []
     ids: list[str] = []
     flowing = asyncio.Event()
@@ -698,7 +713,7 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
         workers = [group.spawn() for _ in range(3)]
         for process in workers:
             await group.ready(process, redis, keys)
-        await asyncio.sleep(3.5)  # heartbeats for the timeout: workers judge each other
+        await asyncio.sleep(FROZEN_HEARTBEAT_TIMEOUT + 0.5)  # then workers judge each other
         arriving = asyncio.create_task(keep_enqueueing())
         await asyncio.sleep(2)
         victim = workers[0]
@@ -711,7 +726,7 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
         was_running = await jobs_running_on(redis, keys, name)
         flowing.set()  # the next entries go to the blocked reads in turn, the frozen one's too
         delivered_while_frozen: set[str] = set()  # job ids
-        for _ in range(60):  # 6 s
+        for _ in range(int(FROZEN_FOR * 10)):
             for entry_id in await entries_of(redis, keys, name):
                 if int(entry_id.split("-")[0]) > frozen_at_ms + 50:
                     rows: Any = await redis.xrange(keys.queue, entry_id, entry_id)
@@ -719,8 +734,7 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
             await asyncio.sleep(0.1)
         os.kill(victim.pid, signal.SIGCONT)
         await asyncio.sleep(2)
-        arriving.cancel()
-        await asyncio.gather(arriving, return_exceptions=True)
+        await cancel_and_wait([arriving])  # (redis-py can swallow one cancel: see its doc)
         await eventually(lambda: all_terminal(redis, keys, ids), 30, every=0.2)
         codes = [await stop_worker(process, 15) for process in workers]
         output = group.output()

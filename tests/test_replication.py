@@ -34,6 +34,7 @@ from worker.publisher import JobStream
 from worker.records import ALREADY, NOT_YET, WRITTEN
 from worker.runner import Worker
 from worker.settings import Settings
+from worker.tasks import cancel_and_wait
 
 # -- the publisher notices a record that fell behind ------------------------------------------
 
@@ -69,8 +70,7 @@ async def rewind_while_streaming(h: Harness, field: str, value: str) -> str:
         await eventually(lambda: ended(h, job_id), timeout=20)
     finally:
         h.worker.stopping.set()
-        consume.cancel()
-        await asyncio.gather(consume, return_exceptions=True)
+        await cancel_and_wait([consume])
     return job_id
 
 

@@ -19,6 +19,7 @@ from worker.keys import GROUP, Keys
 from worker.queue import Queue
 from worker.redis_client import RedisClient
 from worker.stats import collect
+from worker.tasks import cancel_and_wait
 
 SHARDS = 3
 
@@ -94,8 +95,7 @@ async def test_a_waiting_worker_starts_a_job_on_any_shard_at_once(sharded: Harne
             assert len(shards) > 1  # the test did touch several shards
         finally:
             h.worker.stopping.set()
-            consume.cancel()
-            await asyncio.gather(consume, return_exceptions=True)
+            await cancel_and_wait([consume])
 
 
 async def test_a_dead_workers_entries_on_every_shard_are_taken_over(sharded: Harness) -> None:
