@@ -339,3 +339,30 @@ async def test_jobs_run_through_sentinel(on_sentinel: Harness, sentinel_set: Sen
 
 async def replicated(deployment: Sentinels, key: str) -> bool:
     return deployment.replica.client.hget(key, "status") == "succeeded"
+
+
+async def test_stream_reads_are_routed_without_asking_a_node(
+    cluster3: Cluster, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """XREADGROUP / XREAD keys come from their STREAMS arguments, XGROUP's and XINFO's from
+    theirs: no COMMAND GETKEYS round
+    trip to a node that may be the one failing over (a closed connection there once raised
+    RuntimeError out of a worker's queue read)."""
+    redis = await connect(settings.model_copy(update={"redis_url": cluster3.cluster_url}))
+    assert isinstance(redis, RedisCluster)
+
+    async def no_getkeys(*args: Any) -> Any:
+        raise AssertionError(f"COMMAND GETKEYS for {args}")
+
+    monkeypatch.setattr(redis.commands_parser, "_get_moveable_keys", no_getkeys)
+    key = f"{settings.prefix}:{{routed}}:stream"
+    try:
+        await redis.xgroup_create(key, "g", id="0", mkstream=True)
+        await redis.xadd(key, {"f": "v"})
+        assert await redis.xreadgroup("g", "c", {key: ">"}, count=1, block=10)
+        assert await redis.xread({key: "0-0"}, count=1)
+        assert [group["name"] for group in await redis.xinfo_groups(key)] == ["g"]
+        assert await redis.xgroup_delconsumer(key, "g", "c") == 1  # its one unacked entry
+    finally:
+        await redis.delete(key)
+        await redis.aclose()

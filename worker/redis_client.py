@@ -66,6 +66,26 @@ class Cluster(RedisCluster):
         except RedisClusterException as exc:
             raise ClusterUnavailableError(str(exc)) from exc
 
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        """The slot of ``XREAD`` / ``XREADGROUP`` (their ``STREAMS`` keys) and of ``XGROUP`` /
+        ``XINFO`` subcommands (their key), here: redis-py asks a node (``COMMAND GETKEYS``)
+        for those, a round trip per call,
+        and during a failover that node may be the dead one (its closed connection then
+        raised ``RuntimeError`` out of the worker's queue read)."""
+        name = command.upper()
+        if name.startswith(("XGROUP ", "XINFO ")) and args:  # (subcommand) key ...
+            return slot_of(args[0].decode() if isinstance(args[0], bytes) else str(args[0]))
+        if name in ("XREAD", "XREADGROUP"):
+            words = [a.decode() if isinstance(a, bytes) else str(a) for a in args]
+            at = next(i for i, word in enumerate(words) if word.upper() == "STREAMS")
+            keys = words[at + 1 : at + 1 + (len(words) - at - 1) // 2]
+            slots = {slot_of(key) for key in keys}
+            if len(slots) != 1:
+                raise RedisClusterException(f"{command} keys in {len(slots)} slots: {keys}")
+            return slots.pop()
+        slot: int = await super()._determine_slot(command, *args)
+        return slot
+
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         return _Pipeline(self, transaction)  # type: ignore[abstract]
 
