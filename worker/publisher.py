@@ -229,10 +229,8 @@ class Publisher:
         await self._sender.aclose()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = await self._next_batch()
-            self._not_before = loop.time() + self._round_trip_every
             try:
                 await self._write(batch)
             except RedisError as exc:  # the round trip failed as a whole (connection)
@@ -287,6 +285,7 @@ class Publisher:
                     records.finish_command(stream.job_id, stream.attempt, stream.seq, args)
                 )
                 plan.append((stream, TERMINAL, 0))
+        self._not_before = loop.time() + self._round_trip_every  # from this send on
         results = await self._sender.send(commands)
         if self._on_batch is not None:
             self._on_batch(len(plan), loop.time() - began)
