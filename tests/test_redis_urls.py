@@ -1,7 +1,10 @@
-"""CHATSTREAM_REDIS_URL's forms (one server, Cluster, Sentinel) and the queue's shard keys:
-pure parsing and key naming, no server (the deployments are in test_cluster.py)."""
+"""CHATSTREAM_REDIS_URL's forms (one server, Cluster, Sentinel), the queue's shard keys and
+the clients' connection classes: parsing and naming without a server, and one write on a
+closed connection (the deployments are in test_cluster.py)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from redis.asyncio import Redis
@@ -9,7 +12,10 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import SSLConnection
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from tests.conftest import RedisServer
+from tests.support import needs_redis_server
 from worker.errors import ConfigError
 from worker.keys import Keys
 from worker.redis_client import redis_from_settings, slot_of
@@ -81,7 +87,7 @@ async def test_each_form_builds_its_kind_of_client_without_connecting() -> None:
     assert isinstance(cluster, RedisCluster)
     assert [node.port for node in cluster.startup_nodes] == [1, 2]
     node = cluster.startup_nodes[0]
-    assert node.connection_class is SSLConnection
+    assert issubclass(node.connection_class, SSLConnection)  # (and ClosedTransportGuard)
     assert (node.connection_kwargs["username"], node.connection_kwargs["password"]) == ("u", "p")
     sentinel = client("redis+sentinel://127.0.0.1:1/mymaster/2?sentinel_password=s")
     assert isinstance(sentinel, Redis)
@@ -138,3 +144,37 @@ def test_enqueue_spreads_jobs_over_the_shards() -> None:
     for i in range(4000):
         counts[keys.shard_of(f"{i:032x}")] += 1
     assert min(counts) > 900, counts
+
+
+def test_a_write_on_a_connection_the_peer_closed_is_a_connection_error(
+    redis_server: RedisServer | None,
+) -> None:
+    """Under uvloop redis-py raises RuntimeError ("the handler is closed") for a write on a
+    transport the peer closed (redis-py#4287); every chatstream client's connections raise
+    ConnectionError instead, which every retry covers."""
+    import uvloop
+
+    server = needs_redis_server(redis_server)
+
+    async def write_after_close() -> BaseException | None:
+        redis = redis_from_settings(Settings(_env_file=None, redis_url=server.url))
+        assert isinstance(redis, Redis)
+        connection = redis.connection_pool.connection_class(
+            **redis.connection_pool.connection_kwargs
+        )
+        try:
+            await connection.connect()  # type: ignore[no-untyped-call]
+            connection._writer.transport.abort()  # type: ignore[union-attr]  # the peer's reset
+            await asyncio.sleep(0.01)
+            await connection.send_packed_command(b"*1\r\n$4\r\nPING\r\n")
+        except BaseException as exc:
+            return exc
+        finally:
+            await connection.disconnect()
+            await redis.aclose()
+        return None
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        raised = runner.run(write_after_close())
+    assert isinstance(raised, RedisConnectionError), repr(raised)
+    assert "closed under a write" in str(raised)

@@ -22,13 +22,20 @@ backoff of ``worker.retry``, the socket timeout above the longest blocking read.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, TypeAlias
+from collections.abc import Iterable
+from typing import Any, TypeAlias, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.asyncio.connection import SSLConnection, parse_url
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, parse_url
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -98,6 +105,48 @@ class _Pipeline(ClusterPipeline):
             raise ClusterUnavailableError(str(exc)) from exc
 
 
+class ClosedTransportGuard(AbstractConnection):
+    """A write on a connection whose peer just closed it raises ``ConnectionError``.
+
+    redis-py leaks the transport's own error there instead: ``RuntimeError`` ("the handler
+    is closed") under uvloop, ``TypeError`` or ``AttributeError`` on some CPythons
+    (redis-py#4287, uvloop#506). None is a ``RedisError``, so no retry applied and a
+    failover crashed a worker's queue read or a Sentinel reconnect. Which it was is told by
+    the transport's state, not by the message."""
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        try:
+            await super().send_packed_command(command, check_health)
+        except (RuntimeError, TypeError, AttributeError) as exc:
+            if not _transport_closed(self):
+                raise
+            await self.disconnect(nowait=True)
+            raise RedisConnectionError(
+                f"the connection was closed under a write ({type(exc).__name__})"
+            ) from exc
+
+
+def _transport_closed(connection: AbstractConnection) -> bool:
+    writer = getattr(connection, "_writer", None)
+    transport = getattr(writer, "transport", None)
+    return transport is None or bool(transport.is_closing())
+
+
+_GUARDED: dict[type[AbstractConnection], type[AbstractConnection]] = {}
+
+
+def guarded(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``connection_class`` with :class:`ClosedTransportGuard` in front (one class each)."""
+    if issubclass(connection_class, ClosedTransportGuard):
+        return connection_class
+    if connection_class not in _GUARDED:
+        name = f"Guarded{connection_class.__name__}"
+        _GUARDED[connection_class] = type(name, (ClosedTransportGuard, connection_class), {})
+    return _GUARDED[connection_class]
+
+
 # a job step waits this long for a free pooled connection before it counts as a Redis error
 POOL_WAIT_SECONDS = 30
 REDIS_RETRIES = 10
@@ -136,6 +185,7 @@ def redis_from_settings(settings: Settings) -> RedisClient:
         return sentinel_client(parsed, settings)
     pool = BlockingConnectionPool.from_url(
         parsed.url,
+        connection_class=guarded(parse_url(parsed.url).get("connection_class", Connection)),
         max_connections=settings.redis_max_connections,
         timeout=POOL_WAIT_SECONDS,
         parser_class=speedups.parser_class(settings),
@@ -153,7 +203,14 @@ def cluster_client(parsed: RedisUrl, settings: Settings) -> Cluster:
     options.pop("port", None)
     options.pop("retry_on_error", None)  # the cluster retries these itself, re-routing
     nodes = [ClusterNode(host, port) for host, port in parsed.nodes]
-    return Cluster(startup_nodes=nodes, max_connections=settings.redis_max_connections, **options)
+    cluster = Cluster(
+        startup_nodes=nodes, max_connections=settings.redis_max_connections, **options
+    )
+    connection_class = guarded(cluster.connection_kwargs["connection_class"])
+    cluster.connection_kwargs["connection_class"] = connection_class  # the nodes found later
+    for node in cluster.startup_nodes:
+        node.connection_class = cast("type[Connection]", connection_class)
+    return cluster
 
 
 class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
@@ -176,9 +233,10 @@ def sentinel_client(parsed: RedisUrl, settings: Settings) -> Redis:
     for name in ("host", "port"):
         options.pop(name, None)
     tls: dict[str, Any] = {}
+    managed: type[AbstractConnection] = SentinelManagedConnection
     if options.pop("connection_class", None) is SSLConnection:
         tls = {k: v for k, v in options.items() if k.startswith("ssl")}
-        options["ssl"] = True
+        managed = SentinelManagedSSLConnection
     own = dict(parsed.sentinel_options)
     sentinel_kwargs: dict[str, Any] = {
         "socket_timeout": SENTINEL_SOCKET_TIMEOUT,
@@ -193,6 +251,7 @@ def sentinel_client(parsed: RedisUrl, settings: Settings) -> Redis:
         parsed.service,
         redis_class=SentinelMaster,
         connection_pool_class=BlockingSentinelPool,
+        connection_class=guarded(managed),
         max_connections=settings.redis_max_connections,
         timeout=POOL_WAIT_SECONDS,
         parser_class=speedups.parser_class(settings),
