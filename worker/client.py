@@ -114,14 +114,9 @@ class Client:
             await self.records.mark_queued(job_id, await self.queue.add(job_id))
             return
         shard, record = self.keys.queue_shard(self.keys.shard_of(job_id)), self.keys.job(job_id)
-        add = ("XADD", shard, "*", "job", job_id)
-        (entry,), on_queue = await self.replication.send(shard, [add])
-        if isinstance(entry, Exception):
-            raise entry
+        entry, on_queue = await self.replication.send(shard, ("XADD", shard, "*", "job", job_id))
         mark = ("HSET", record, "queue_entry", as_text(entry))
-        (marked,), on_record = await self.replication.send(record, [mark])
-        if isinstance(marked, Exception):
-            raise marked
+        _, on_record = await self.replication.send(record, mark)
         if not self.replication.enough(min(on_queue, on_record)):
             shortfall = self.replication.shortfall(f"job {job_id}", min(on_queue, on_record))
             raise NotReplicatedError(shortfall)

@@ -189,11 +189,9 @@ class Publisher:
             args = self._terminal_args(terminal)
             command = self._records.finish_command(stream.job_id, stream.attempt, stream.seq, args)
             try:
-                (result,), acked = await replication.send(
-                    self._records.keys.job(stream.job_id), [command]
+                result, acked = await replication.send(
+                    self._records.keys.job(stream.job_id), command
                 )
-                if isinstance(result, Exception):
-                    raise result
             except NoScriptError:
                 await self._records.load_scripts()
                 continue

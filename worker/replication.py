@@ -24,6 +24,7 @@ from redis.exceptions import ClusterDownError, MovedError, RedisClusterException
 
 from worker.batch import Command
 from worker.errors import NotReplicatedError
+from worker.records import as_text
 from worker.redis_client import RedisClient, slot_of
 
 # KEYS: record. ARGV: now. On a terminal record, a write that replicates (the WAIT after it
@@ -49,24 +50,24 @@ class Replication:
     def enabled(self) -> bool:
         return self.replicas > 0
 
-    async def send(self, key: str, commands: list[Command]) -> tuple[list[Any], int]:
-        """``commands`` and then ``WAIT`` on one connection to ``key``'s master: their
-        replies (a refused command's is its exception), and how many replicas have them.
-        Calls at the same time use connections of their own (pooled)."""
+    async def send(self, key: str, command: Command) -> tuple[Any, int]:
+        """``command`` and then ``WAIT`` on one connection to ``key``'s master: its reply
+        (raised when Redis refused it) and how many replicas have it. Calls at the same time
+        use connections of their own (pooled)."""
         pipe = (await self._client_of(key)).pipeline(transaction=False)
-        for command in [*commands, ("WAIT", self.replicas, self.timeout_ms)]:
-            pipe.execute_command(*command)
+        pipe.execute_command(*command)
+        pipe.execute_command("WAIT", self.replicas, self.timeout_ms)
         try:
-            *replies, acked = await pipe.execute(raise_on_error=False)
+            reply, acked = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError):
             await self._reload_slots()
             raise
-        for reply in replies:
-            if isinstance(reply, MovedError | ClusterDownError):
-                await self._reload_slots()
-        if isinstance(acked, Exception):
-            raise acked
-        return replies, int(acked)
+        if isinstance(reply, MovedError | ClusterDownError):
+            await self._reload_slots()
+        for result in (reply, acked):
+            if isinstance(result, Exception):
+                raise result
+        return reply, int(acked)
 
     async def _client_of(self, key: str) -> Redis:
         """The client itself (one server, Sentinel), or a pooled client of the master that
@@ -91,9 +92,7 @@ class Replication:
 
     async def write(self, key: str, command: Command, what: str) -> Any:
         """One write, acknowledged by enough replicas (else NotReplicatedError)."""
-        (reply,), acked = await self.send(key, [command])
-        if isinstance(reply, Exception):
-            raise reply
+        reply, acked = await self.send(key, command)
         if not self.enough(acked):
             raise NotReplicatedError(self.shortfall(what, acked))
         return reply
@@ -101,11 +100,8 @@ class Replication:
     async def terminal_replicated(self, record_key: str) -> bool:
         """The record is terminal and enough replicas have that (a write and a WAIT)."""
         check: Command = ("EVAL", CHECK_TERMINAL, 1, record_key, f"{time.time():.6f}")
-        (status,), acked = await self.send(record_key, [check])
-        if isinstance(status, Exception):
-            raise status
-        text = status.decode() if isinstance(status, bytes) else str(status)
-        return text in TERMINAL and self.enough(acked)
+        status, acked = await self.send(record_key, check)
+        return as_text(status) in TERMINAL and self.enough(acked)
 
     def shortfall(self, what: str, acked: int) -> str:
         return (
