@@ -77,8 +77,8 @@ class JobPage:
 
 
 class JobIndex:
-    """The index: one sorted set per queue shard (``Keys.jobs_shard``), beside the shard's
-    stream in its slot; listing merges them newest first."""
+    """The index: one sorted set per queue shard (``Keys.jobs_shard``; shard *i* > 0's in
+    the shard's slot); listing merges them newest first."""
 
     def __init__(self, redis: RedisClient, keys: Keys, retention_seconds: int, max_entries: int):
         self.redis = redis

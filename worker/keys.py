@@ -38,11 +38,7 @@ class Keys:
         return tuple(self.queue_shard(shard) for shard in range(self.shards))
 
     def queue_shard(self, shard: int) -> str:
-        return (
-            self.queue
-            if shard == 0
-            else f"{self.queue}:{{{shard_tag(self.prefix, shard, self.shards)}}}"
-        )
+        return self._sharded(self.queue, shard)
 
     def shard_of(self, job_id: str) -> int:
         """The shard ``Client.enqueue`` puts a job on (any shard works: workers read all)."""
@@ -67,12 +63,12 @@ class Keys:
         return f"{self.prefix}:jobs"
 
     def jobs_shard(self, shard: int) -> str:
-        """The jobs index of the jobs enqueued on ``shard`` (in that shard's slot)."""
-        return (
-            self.jobs
-            if shard == 0
-            else f"{self.jobs}:{{{shard_tag(self.prefix, shard, self.shards)}}}"
-        )
+        """The jobs index of the jobs enqueued on ``shard`` (shard *i* > 0's in its slot)."""
+        return self._sharded(self.jobs, shard)
+
+    def _sharded(self, key: str, shard: int) -> str:
+        """``key`` itself for shard 0, else ``key:{<the shard's tag>}``."""
+        return key if shard == 0 else f"{key}:{{{shard_tag(self.prefix, shard, self.shards)}}}"
 
     def job(self, job_id: str) -> str:
         return f"{self.prefix}:job:{{{job_id}}}"

@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 
 from worker.keys import GROUP, Keys
 from worker.records import as_text, dumps
-from worker.redis_client import RedisClient
+from worker.redis_client import RedisClient, stream_replies
 from worker.tasks import cancel_and_wait
 
 log = logging.getLogger("chatstream.queue")
@@ -254,7 +254,9 @@ class Queue:
                 raise
             await self._recreate_group(shard, exc)
             return []
-        return [_entry(eid, fields, shard) for _, rows in _streams(reply) for eid, fields in rows]
+        return [
+            _entry(eid, fields, shard) for _, rows in stream_replies(reply) for eid, fields in rows
+        ]
 
     async def close(self) -> None:
         """Stop the blocking reads still waiting (what they were delivered is handed back
@@ -426,13 +428,6 @@ def _by_shard(entries: list[Entry]) -> dict[int, list[str]]:
     for entry in entries:
         grouped.setdefault(entry.shard, []).append(entry.entry_id)
     return grouped
-
-
-def _streams(reply: Any) -> list[tuple[Any, Any]]:
-    """XREADGROUP's reply as (key, entries) pairs (RESP2 gives a list, RESP3 a dict)."""
-    if not reply:
-        return []
-    return list(reply.items()) if isinstance(reply, dict) else [(k, r) for k, r in reply]
 
 
 def _no_group(exc: ResponseError) -> bool:

@@ -341,3 +341,10 @@ async def ensure_reachable(redis: RedisClient, where: str, timeout: float = REAC
     finally:
         if retry is not None and isinstance(redis, Redis):
             redis.set_retry(retry)
+
+
+def stream_replies(reply: Any) -> list[tuple[Any, Any]]:
+    """An XREAD / XREADGROUP reply as (key, entries) pairs (RESP2 gives a list, RESP3 a dict)."""
+    if not reply:
+        return []
+    return list(reply.items()) if isinstance(reply, dict) else [(k, r) for k, r in reply]

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from worker.errors import JobNotFoundError
 from worker.keys import Keys
-from worker.redis_client import RedisClient
+from worker.redis_client import RedisClient, stream_replies
 from worker.retry import REDIS_WAIT, often_enough, pause
 from worker.tasks import cancel_and_wait
 
@@ -55,13 +55,6 @@ def id_tuple(entry_id: str) -> tuple[int, int]:
 
 def is_terminal(row: Row) -> bool:
     return row[1].get("type") in TERMINAL_TYPES
-
-
-def _streams(reply: Any) -> list[tuple[str, Any]]:
-    """XREAD's reply as (key, entries) pairs (RESP2 gives a list, RESP3 a dict)."""
-    if not reply:
-        return []
-    return list(reply.items()) if isinstance(reply, dict) else [(k, r) for k, r in reply]
 
 
 def _bulk(text: str) -> bytes:
@@ -212,7 +205,7 @@ class EventHub:
             reply = await self._xread(self._command.packed())
         finally:
             self._reading = False
-        for key, entries in _streams(reply):
+        for key, entries in stream_replies(reply):
             if key == self.wake_key:
                 self._command.set(key, entries[-1][0])
             elif entries and key in before and self._last.get(key) == before[key]:
@@ -318,7 +311,9 @@ class ClusterEventHub(EventHub):
                 await asyncio.sleep(pause(REDIS_WAIT, failures))
                 continue
             rows = [
-                (eid, dict(fields)) for _, entries in _streams(reply) for eid, fields in entries
+                (eid, dict(fields))
+                for _, entries in stream_replies(reply)
+                for eid, fields in entries
             ]
             if rows and self._last.get(key) == cursor:  # (unless unfollowed or re-followed)
                 self._deliver(key, rows)
