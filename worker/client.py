@@ -113,7 +113,7 @@ class Client:
         if not self.replication.enabled:
             await self.records.mark_queued(job_id, await self.queue.add(job_id))
             return
-        shard, record = self.keys.queue_shard(self.keys.shard_of(job_id)), self.keys.job(job_id)
+        shard, record = self.keys.queue_of(job_id), self.keys.job(job_id)
         entry, on_queue = await self.replication.send(shard, ("XADD", shard, "*", "job", job_id))
         mark = ("HSET", record, "queue_entry", as_text(entry))
         _, on_record = await self.replication.send(record, mark)

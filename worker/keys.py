@@ -40,6 +40,10 @@ class Keys:
     def queue_shard(self, shard: int) -> str:
         return self._sharded(self.queue, shard)
 
+    def queue_of(self, job_id: str) -> str:
+        """The queue shard ``Client.enqueue`` puts a job on."""
+        return self.queue_shard(self.shard_of(job_id))
+
     def shard_of(self, job_id: str) -> int:
         """The shard ``Client.enqueue`` puts a job on (any shard works: workers read all)."""
         return zlib.crc32(job_id.encode()) % self.shards if self.shards > 1 else 0

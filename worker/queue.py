@@ -193,7 +193,7 @@ class Queue:
 
     async def add(self, job_id: str) -> str:
         """A queue entry for the job, on its shard (``Keys.shard_of``)."""
-        key = self.keys.queue_shard(self.keys.shard_of(job_id))
+        key = self.keys.queue_of(job_id)
         return as_text(await self.redis.xadd(key, {"job": job_id}))
 
     async def read(self, count: int, block_ms: int | None) -> list[Entry]:
