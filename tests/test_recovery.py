@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
-from tests.conftest import MOCK, RedisServer, chat
+from tests.conftest import MOCK, Harness, RedisServer, chat
 from tests.support import (
     CHATSTREAM,
     WorkerProcesses,
@@ -48,7 +48,7 @@ from worker.mock_upstream import MockUpstream, expected_reply
 from worker.publisher import Publisher, Terminal
 from worker.queue import Queue
 from worker.records import Records
-from worker.runner import Worker
+from worker.runner import Running, Worker
 from worker.settings import Settings
 from worker.tasks import cancel_and_wait
 
@@ -662,11 +662,11 @@ def arriving_request(i: int) -> dict[str, Any]:
 
 
 FROZEN_HEARTBEAT_TIMEOUT = 4.0
-FROZEN_FOR = 9.0  # past the heartbeat timeout and two short leases
+FROZEN_FOR = 11.0  # past the heartbeat timeout and two short leases
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lease", [4.0, 30.0], ids=["freeze-of-two-leases", "default-lease"])
+@pytest.mark.parametrize("lease", [5.0, 30.0], ids=["freeze-of-two-leases", "default-lease"])
 async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
     redis_server: RedisServer | None,
     redis: Redis,
@@ -675,11 +675,14 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
     tmp_path: Path,
     lease: float,
 ) -> None:
-    """Three workers, jobs arriving every 50 ms; one is frozen (SIGSTOP) for 9 s, which is
-    past its heartbeat timeout (4 s here) and, with the short lease, two leases. A live
-    worker keeps its jobs through a stall shorter than both (it renews every lease/3): the
+    """Three workers, jobs arriving every 50 ms; one is frozen (SIGSTOP) for 11 s, which is
+    past its heartbeat timeout (4 s here) and, with the short lease (5 s), two leases. A
+    live worker keeps its jobs through a stall shorter than both (it renews every lease/3):
     4 s, not the default 3 s, leave room for the stalls of a busy machine (in a full CI run
-    on 2 cores a live worker once stalled past 3 s). Its blocked
+    on 2 cores a live worker once stalled past 3 s), and the lease stays longer than the
+    heartbeat timeout, as by default, so the frozen worker's jobs are taken over by its
+    heartbeat before their leases run out (with the two equal, both ways raced in a CI run
+    and a live worker's lease was reported lost). Its blocked
     queue read is served while it is frozen. The jobs it ran are taken over once (attempt 2);
     when it wakes it starts nothing from its late read and supersedes no live attempt: every
     other job runs once, attempt 1, one upstream call."""
@@ -807,3 +810,26 @@ async def test_a_stalled_worker_keeps_its_jobs_unless_it_stalls_past_the_heartbe
 
 async def _all_running(redis: Redis, keys: Keys, ids: list[str]) -> bool:
     return all([await _is(redis, keys, job_id, "running") for job_id in ids])
+
+
+@pytest.mark.parametrize("settling", [True, False], ids=["acked-by-its-own-task", "vanished"])
+async def test_a_renewal_that_misses_an_entry_its_own_task_just_acked_loses_nothing(
+    harness: Harness, settling: bool
+) -> None:
+    """A renewal's list of entries is taken before it runs; an entry acked meanwhile by the
+    job's own task (its terminal write done) is not a lease lost to another worker. One that
+    vanished while its job still runs (Redis restarted empty) is, and the job stops."""
+    worker = harness.worker
+    await harness.client.enqueue(chat("renewed"))
+    [entry] = await worker.queue.read(1, None)
+    task = asyncio.create_task(asyncio.sleep(30))
+    worker.running[entry.ref] = Running(entry, task, claimed=True, settling=settling)
+    try:
+        assert await worker.queue.ack(entry)
+        await worker._renew_leases()
+        assert worker.running[entry.ref].lost is not settling
+        await asyncio.sleep(0)
+        assert task.cancelled() is not settling
+    finally:
+        del worker.running[entry.ref]
+        task.cancel()

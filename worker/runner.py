@@ -60,6 +60,7 @@ class Running:
     claimed: bool = False  # checked still ours and fresh (claim_for_start): renewed from then
     holds_slot: bool = False
     waiting: bool = False  # for a down upstream, without its slot
+    settling: bool = False  # its entry is being acked or handed back (gone on purpose)
 
 
 def _cancel_swallowed() -> bool:
@@ -307,6 +308,7 @@ class Worker:
         run.holds_slot = True
         started = await self._start(job_id, entry.ref, delivery)
         if started.state != "started":
+            run.settling = True
             await retry_redis(f"job {job_id}: skipping", lambda: self._skip(entry, started))
             return
         logs.set_attempt(started.attempt)
@@ -314,6 +316,7 @@ class Worker:
         job = run.job = JobRun(job_id, started.attempt, started.request, started.upstream, stream)
         job.idle = self._without_slot(run)
         outcome = await run_job(self.services, job)
+        run.settling = True
         await retry_redis(f"job {job_id}: settling", lambda: self._settle(run, job, outcome))
 
     async def _start(self, job_id: str, entry_ref: str, delivery: int) -> Started:
@@ -540,7 +543,7 @@ class Worker:
         lost = await self.queue.renew(claimed)
         for ref in lost:
             run = self.running.get(ref)
-            if run is not None:
+            if run is not None and not run.settling:  # (else: our own ack got there first)
                 attempt = run.job.attempt if run.job is not None else None
                 with logs.job_context(run.entry.job_id, attempt):
                     log.warning("job %s: lease lost to another worker; stopping", run.entry.job_id)
