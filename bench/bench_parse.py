@@ -9,7 +9,7 @@ through three pipelines; each is timed with ``time.perf_counter`` and
 the best of several runs is reported as chunks (SSE data events) per second:
 
 ours
-    what ``worker/pipeline.py`` does: ``worker.sse.SSEDecoder.feed_data`` on each read,
+    what ``worker/service/pipeline.py`` does: ``SSEDecoder.feed_data`` on each read,
     ``Accumulator.fold_all`` on its events' data (JSON parsing, ``[DONE]``, folding into
     the final message) and ``Accumulator.take_delta()`` once per read (the read's merged
     delta to publish), then ``Accumulator.finish``.
@@ -64,8 +64,8 @@ from openai._streaming import SSEDecoder as OpenAISSEDecoder
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from worker.accumulator import Accumulator, FinalMessage
-from worker.sse import SSEDecoder
+from worker.protocol.accumulator import Accumulator, FinalMessage
+from worker.protocol.sse import SSEDecoder
 
 EVENT = 0  # a read size: one SSE event (or comment) per read
 READ_SIZES = (EVENT, 300, 64 * 1024)
@@ -219,7 +219,7 @@ def split(data: bytes, size: int) -> list[bytes]:
 
 
 def run_ours(reads: list[bytes]) -> FinalMessage:
-    # what worker/pipeline.py does per upstream read: fold its events, take one delta
+    # what worker/service/pipeline.py does per upstream read: fold its events, take one delta
     decoder = SSEDecoder()
     accumulator = Accumulator()
     fold_all, feed, take = accumulator.fold_all, decoder.feed_data, accumulator.take_delta

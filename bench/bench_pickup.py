@@ -20,11 +20,11 @@ import tempfile
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from worker.aio import cancel_and_wait
 from worker.client import Client
-from worker.mock_upstream import serve_mock
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.tasks import cancel_and_wait
+from worker.testing.mock_upstream import serve_mock
 
 
 def free_port() -> int:

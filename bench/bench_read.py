@@ -13,7 +13,7 @@ httpx
     ``UpstreamClient`` (the worker's relay and error translation) over httpx's default
     transport: httpcore + h11 over anyio (what the worker runs without httptools).
 httpx+httptools
-    the same over ``worker.transport.HttptoolsTransport``: llhttp over an asyncio
+    the same over ``worker.upstream.transport.HttptoolsTransport``: llhttp over an asyncio
     Protocol, the read timeout by one sweep (what the worker runs with ``[fast]``).
 httpx+aiohttp
     the same over ``httpx_aiohttp.AiohttpTransport`` (aiohttp's C parser), if installed.
@@ -65,7 +65,7 @@ async def read_upstream_client(url: str, body: dict[str, Any], kind: str) -> int
     import httpx
 
     from worker.settings import Settings
-    from worker.upstream import UpstreamClient, _new_http_client, _timeouts
+    from worker.upstream.client import UpstreamClient, _new_http_client, _timeouts
 
     transport = "httptools" if kind == "httpx+httptools" else "httpx"
     settings = Settings(
@@ -162,7 +162,13 @@ def child(kind: str, loop_name: str, url: str, streams: int, tokens: int, rate: 
     STREAMS[0] = streams
     body = {**BODY, "mock": {"tokens": tokens, "rate": rate}}
     reader = {"aiohttp": read_aiohttp, "protocol": read_protocol}.get(kind, read_upstream_client)
-    for module in ("httpx", "worker.upstream", "worker.transport", "aiohttp", "httpx_aiohttp"):
+    for module in (
+        "httpx",
+        "worker.upstream.client",
+        "worker.upstream.transport",
+        "aiohttp",
+        "httpx_aiohttp",
+    ):
         with contextlib.suppress(ImportError):
             __import__(module)  # imports are not reads
     factory = None

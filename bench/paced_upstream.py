@@ -1,7 +1,7 @@
 """A cheap OpenAI-shaped streaming upstream for the benchmarks: one event per write.
 
 Real providers write each SSE event as the model produces it, so a client's read holds one
-event. ``worker/mock_upstream.py`` (an ASGI app under uvicorn, with every fault the tests
+event. ``worker/testing/mock_upstream.py`` (an ASGI app under uvicorn, with every fault the tests
 need) costs a task wake-up, an ASGI ``send`` and a timer per event: at hundreds of streams
 x 50 events/s it would eat a core of this 2-core machine and become what the benchmark
 measures. This server is an asyncio ``Protocol`` (run under uvloop when installed) with

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from worker.embedded_server import bind
 from worker.gateway import openai_format as fmt
-from worker.keys import Keys
+from worker.store.keys import Keys
 
 TERMINAL = frozenset({"done", "error", "cancelled"})
 

@@ -1,7 +1,7 @@
 """The upstream ``chat.completion.chunk`` wire format, as pydantic models.
 
 Documentation and consumer-side validation only: the worker's hot path
-(``worker.accumulator``) works on the plain dicts ``json.loads`` returns and applies the
+(``worker.protocol.accumulator``) works on the plain dicts ``json.loads`` returns and applies the
 same shapes. Every model allows extra fields, so unknown upstream fields pass through.
 
 A stream is a sequence of SSE events whose ``data`` is one chunk as JSON, ended by

@@ -38,7 +38,7 @@ OUTPUT_FIELDS = (
     *EXTRAS,
 )
 """The record fields the terminal write fills from the attempt's output (empty when there is
-none); a requeue clears them. ``worker.accumulator.FinalMessage`` has an attribute of each
+none); a requeue clears them. ``worker.protocol.accumulator.FinalMessage`` has an attribute of each
 name (the extras in ``FinalMessage.extras``)."""
 
 JSON_FIELDS = (

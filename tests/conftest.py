@@ -26,10 +26,10 @@ from redis.asyncio import Redis
 from schemas.events import StreamEvent
 from schemas.jobs import JobRecord
 from worker.client import Client
-from worker.mock_upstream import MockConfig, MockUpstream, serve_mock
-from worker.redis_client import RedisClient
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
+from worker.store.redis_client import RedisClient
+from worker.testing.mock_upstream import MockConfig, MockUpstream, serve_mock
 
 if TYPE_CHECKING:
     from tests.deployments import Cluster, Sentinels

@@ -15,13 +15,13 @@ import httpx
 from httpx_sse import EventSource, ServerSentEvent
 from pydantic import SecretStr
 
+from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.gateway import serve_gateway
-from worker.mock_upstream import MockUpstream
-from worker.redis_client import RedisClient
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.tasks import cancel_and_wait
+from worker.store.redis_client import RedisClient
+from worker.testing.mock_upstream import MockUpstream
 
 KEY = "sk-gateway-test-one"
 OTHER_KEY = "sk-gateway-test-two"  # configured as its SHA-256 only

@@ -23,13 +23,13 @@ from redis.exceptions import RedisError
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import EXTRAS, JobRecord, JobStatus
 from tests.conftest import Harness, RedisServer
-from worker import gate as gate_module
-from worker.accumulator import Delta, FinalMessage
 from worker.client import Client
-from worker.keys import GROUP, Keys
-from worker.mock_upstream import MockConfig, expected_reply
-from worker.redis_client import RedisClient
-from worker.runner import Worker
+from worker.protocol.accumulator import Delta, FinalMessage
+from worker.service.worker import Worker
+from worker.store.keys import GROUP, Keys
+from worker.store.redis_client import RedisClient
+from worker.testing.mock_upstream import MockConfig, expected_reply
+from worker.upstream import gate as gate_module
 
 MOCK_PROCESS = MockConfig(tokens=64)  # `chatstream mock-upstream`'s default server config
 TERMINAL = ("succeeded", "failed", "cancelled")

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from schemas.chunks import ChatCompletionChunk
 from tests.support import merged, output_of
-from worker.accumulator import Accumulator, Delta, FinalMessage
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError
+from worker.protocol.accumulator import Accumulator, Delta, FinalMessage
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
 

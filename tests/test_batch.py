@@ -1,4 +1,4 @@
-"""worker.batch's senders against a real redis-server: one reply per command, in order; a
+"""worker.store.batch's senders against a real redis-server: one reply per command, in order; a
 refused command's error is its reply; a lost or late round trip is raised and the next one
 starts clean on a new connection. ``test_publisher.py`` and ``test_redis_faults.py`` run the
 publisher's rules through the default sender; these pin the sender's own contract, for
@@ -18,8 +18,8 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.conftest import RedisServer
-from worker.batch import Command, ConnectionSender, PipelineSender, packer
-from worker.cluster_batch import default_sender
+from worker.store.batch import Command, ConnectionSender, PipelineSender, packer
+from worker.store.cluster_batch import default_sender
 
 PARSERS = {"hiredis": _AsyncHiredisParser, "python": _AsyncRESP3Parser}
 REFUSED: Command = ("EVAL", "return redis.error_reply('OOM command not allowed')", 0)

@@ -21,8 +21,8 @@ from tests.conftest import Harness, chat
 from tests.support import custom_harness
 from worker.client import SyncClient
 from worker.errors import JobNotFoundError
-from worker.keys import GROUP
-from worker.mock_upstream import expected_reply
+from worker.store.keys import GROUP
+from worker.testing.mock_upstream import expected_reply
 
 SLOW = {"tokens": 400, "rate": 20.0}  # a 20 s reply: only a cancel ends it in time
 CLOSE_WITHIN = 0.25

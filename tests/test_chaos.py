@@ -36,9 +36,9 @@ from tests.support import (
     worker_env,
 )
 from worker.client import Client
-from worker.keys import GROUP, Keys
-from worker.redis_client import RedisClient, redis_from_settings
 from worker.settings import Settings
+from worker.store.keys import GROUP, Keys
+from worker.store.redis_client import RedisClient, redis_from_settings
 
 # one at a time on one test process: their workers' leases and heartbeats run on real clocks
 pytestmark = pytest.mark.xdist_group("worker-processes")

@@ -36,10 +36,10 @@ from tests.support import (
     stream_entries,
 )
 from worker import speedups
+from worker.cli.demo import DEMO_REPLY
 from worker.client import Client
-from worker.demo import DEMO_REPLY
-from worker.keys import Keys
-from worker.mock_upstream import MockUpstream, expected_reply, expected_usage
+from worker.store.keys import Keys
+from worker.testing.mock_upstream import MockUpstream, expected_reply, expected_usage
 
 CORES = os.cpu_count() or 2
 

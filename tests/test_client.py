@@ -13,7 +13,7 @@ from tests.conftest import MOCK, Harness, chat
 from tests.support import check_stream, merge_deltas, queue_is_empty, stream_entries
 from worker.client import Client, SyncClient, within
 from worker.errors import InvalidJobError, JobNotFoundError
-from worker.mock_upstream import expected_reply
+from worker.testing.mock_upstream import expected_reply
 
 COMPLETIONS = "/v1/chat/completions"
 

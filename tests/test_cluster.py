@@ -26,16 +26,16 @@ from tests.deployments import Cluster, Node, Sentinels
 from tests.gateway_env import chunks_of, content_of, running_gateway, sse_events
 from tests.support import check_stream, eventually, queue_is_drained, stream_entries
 from tests.test_shards import spread
-from worker.batch import ConnectionSender
+from worker.aio import cancel_and_wait
 from worker.client import Client
-from worker.cluster_batch import ClusterSender
-from worker.mock_upstream import MockUpstream, expected_reply
-from worker.queue import Queue
-from worker.redis_client import connect, slot_of
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.stats import collect
-from worker.tasks import cancel_and_wait
+from worker.store.batch import ConnectionSender
+from worker.store.cluster_batch import ClusterSender
+from worker.store.queue import Queue
+from worker.store.redis_client import connect, slot_of
+from worker.store.stats import collect
+from worker.testing.mock_upstream import MockUpstream, expected_reply
 
 SHARDS = 3
 

@@ -39,10 +39,10 @@ from tests.support import (
 )
 from tests.test_cli import DEADLINE, Result, assert_one_line_error, run_chatstream
 from worker.client import Client
-from worker.keys import Keys
-from worker.mock_upstream import MockUpstream, expected_reply
-from worker.redis_client import RedisClient, connect
 from worker.settings import Settings
+from worker.store.keys import Keys
+from worker.store.redis_client import RedisClient, connect
+from worker.testing.mock_upstream import MockUpstream, expected_reply
 
 SHARDS = 3
 SECRET = "s3cret"

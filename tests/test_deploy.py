@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from worker.cli import build_parser
+from worker.cli.main import build_parser
 from worker.errors import ConfigError
 from worker.gateway.auth import ApiKeys
 from worker.gateway.server import SHUTDOWN_GRACE_SECONDS as GATEWAY_GRACE_SECONDS

@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support import merged, output_of
-from worker.accumulator import Accumulator, FinalMessage
 from worker.errors import ProtocolError
-from worker.sse import SSEDecoder
+from worker.protocol.accumulator import Accumulator, FinalMessage
+from worker.protocol.sse import SSEDecoder
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
 

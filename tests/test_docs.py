@@ -1,7 +1,7 @@
 """The docs against the code: generated references are current, examples run.
 
 * ``docs/schemas/*.json`` and the tables of ``docs/configuration.md`` equal what
-  ``python -m worker.docgen`` generates now.
+  ``python docs/docgen.py`` generates now.
 * Every ``CHATSTREAM_*`` name and example value in the docs is a valid setting.
 * ``docs/redis.md`` names the real keys and documents every record field the code writes.
 * Every event a real worker writes validates as its documented data model, and the
@@ -31,18 +31,18 @@ import pytest
 import yaml
 from redis.asyncio import Redis
 
+from docs import docgen
 from schemas.events import DATA_MODELS, EventType, StreamEvent
 from schemas.jobs import JobRecord
 from tests.conftest import RedisServer, chat
-from worker import docgen
 from worker.client import Client
-from worker.keys import GROUP, Keys
-from worker.metrics import Metrics
-from worker.mock_upstream import MockUpstream
-from worker.redis_client import redis_from_settings
-from worker.runner import Worker
+from worker.service.metrics import Metrics
+from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.stats import QueueCounts
+from worker.store.keys import GROUP, Keys
+from worker.store.redis_client import redis_from_settings
+from worker.store.stats import QueueCounts
+from worker.testing.mock_upstream import MockUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -75,7 +75,7 @@ def doc_text(name: str) -> str:
 
 def test_generated_docs_are_current() -> None:
     stale = [str(path.relative_to(ROOT)) for path in docgen.stale()]
-    assert not stale, f"out of date: {stale}; run `python -m worker.docgen`"
+    assert not stale, f"out of date: {stale}; run `python docs/docgen.py`"
 
 
 def test_docgen_check_mode(tmp_path: Path) -> None:
@@ -208,8 +208,8 @@ def documented_record_fields() -> set[str]:
 
 
 def fields_written_by_the_code() -> set[str]:
-    """Record field names in the Lua scripts and the Python writes of worker/records.py."""
-    source = (ROOT / "worker" / "records.py").read_text()
+    """Record field names in the Lua scripts and the Python writes of worker/store/records.py."""
+    source = (ROOT / "worker" / "store" / "records.py").read_text()
     fields: set[str] = set()
     script_call = r"redis\.call\('(H(?:SET|DEL|INCRBY|MGET|GET))',\s*KEYS\[1\],([^)]*)\)"
     for command, call in re.findall(script_call, source):
@@ -569,7 +569,7 @@ def worker_strings() -> str:
     """Every string literal of worker/*.py (implicit concatenations joined, f-string text
     kept), quotes removed: what the code can log."""
     found: list[str] = []
-    for path in (ROOT / "worker").glob("*.py"):
+    for path in (ROOT / "worker").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 found.append(node.value)

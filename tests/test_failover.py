@@ -52,10 +52,10 @@ from tests.support import (
 )
 from worker.client import Client
 from worker.errors import ChatstreamError
-from worker.keys import Keys
-from worker.mock_upstream import expected_reply
-from worker.redis_client import RedisClient, connect
 from worker.settings import Settings
+from worker.store.keys import Keys
+from worker.store.redis_client import RedisClient, connect
+from worker.testing.mock_upstream import expected_reply
 
 pytestmark = [
     pytest.mark.xdist_group("worker-processes"),

@@ -28,8 +28,8 @@ from tests.support import (
     custom_harness,
 )
 from tests.test_tls import make_certs
-from worker.mock_upstream import MockConfig, expected_reply
 from worker.settings import Upstream
+from worker.testing.mock_upstream import MockConfig, expected_reply
 
 PARTIAL = "tok0 tok1 tok2"  # what the mock sends before a fault at fault_after=3
 

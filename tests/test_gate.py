@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import InstantGateWaits
 from worker.errors import RetryableUpstreamError, TerminalUpstreamError
-from worker.gate import IdleSlot, UpstreamGate, keep_slot
+from worker.upstream.gate import IdleSlot, UpstreamGate, keep_slot
 
 
 @pytest.fixture

@@ -31,9 +31,9 @@ from tests.gateway_env import (
     sse_events,
 )
 from tests.support import eventually
-from worker.mock_upstream import MockUpstream, expected_reply, expected_usage
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
+from worker.testing.mock_upstream import MockUpstream, expected_reply, expected_usage
 
 COMPLETIONS = "/v1/chat/completions"
 ASYNC = {"prefer": "respond-async"}

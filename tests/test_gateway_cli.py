@@ -13,8 +13,8 @@ import pytest
 from tests.conftest import MOCK, RedisServer, chat, free_port
 from tests.gateway_env import KEY
 from tests.support import CHATSTREAM, clean_env, eventually, needs_redis_server, worker_env
-from worker.demo import DEMO_REPLY
-from worker.mock_upstream import MockUpstream, expected_reply
+from worker.cli.demo import DEMO_REPLY
+from worker.testing.mock_upstream import MockUpstream, expected_reply
 
 
 async def run(*args: str, env: dict[str, str], cwd: Path) -> tuple[int, str, str]:

@@ -22,8 +22,8 @@ from tests.support import eventually
 from worker.errors import ConfigError
 from worker.gateway import create_app, serve_gateway
 from worker.logs import secrets_of
-from worker.mock_upstream import MockUpstream
 from worker.settings import Settings
+from worker.testing.mock_upstream import MockUpstream
 
 COMPLETIONS = "/v1/chat/completions"
 ASYNC = {"prefer": "respond-async"}

@@ -30,8 +30,8 @@ from redis.asyncio import Redis
 
 from schemas.jobs import EXTRAS
 from tests.gateway_env import KEY, GatewayEnv, running_gateway
-from worker.mock_upstream import MockUpstream
 from worker.settings import Settings
+from worker.testing.mock_upstream import MockUpstream
 
 MESSAGES: list[Any] = [{"role": "user", "content": "What is a durable token stream?"}]
 USAGE: Any = {"include_usage": True}

@@ -23,8 +23,8 @@ from redis.asyncio import Redis
 from schemas.jobs import JobStatus
 from tests.gateway_env import KEY, GatewayEnv, running_gateway
 from tests.test_gateway_openai import SCRIPT_USAGE, delta, openai_chunk
-from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 from worker.settings import Settings
+from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HAVE_CHROMIUM = os.path.exists(CHROMIUM)

@@ -23,15 +23,15 @@ from schemas.jobs import EXTRAS, JobRecord
 from tests.gateway_env import parse_frames
 from tests.support import Merged, eventually, final_tool_calls, merge_deltas
 from tests.test_gateway_openai import Reply, StreamReader
+from worker.aio import cancel_and_wait
 from worker.errors import ConfigError
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKeys, bearer
 from worker.gateway.hub import EventHub, JobFeed, ReadCommand, Row
 from worker.gateway.limits import LimitExceeded, StreamSlots
-from worker.gateway.responses import EventStream
-from worker.keys import Keys
-from worker.message import Delta
-from worker.tasks import cancel_and_wait
+from worker.gateway.streaming import EventStream
+from worker.protocol.message import Delta
+from worker.store.keys import Keys
 
 CTX = fmt.ChunkContext("job-1", 1751299200, "some/model", include_usage=True)
 USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}

@@ -26,16 +26,16 @@ from redis.asyncio import Redis
 from schemas.jobs import JobStatus
 from tests.conftest import Harness, RedisServer, chat
 from tests.support import InstantGateWaits, custom_harness, inject, merged, output_of
-from worker.accumulator import Accumulator
 from worker.client import Client
 from worker.errors import InvalidJobError, ProtocolError
-from worker.pipeline import load_request
-from worker.records import dumps
-from worker.redis_client import redis_from_settings
-from worker.runner import Worker
+from worker.protocol.accumulator import Accumulator
+from worker.protocol.sse import SSEDecoder
+from worker.service.pipeline import load_request
+from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.sse import SSEDecoder
-from worker.upstream import UpstreamClient
+from worker.store.records import dumps
+from worker.store.redis_client import redis_from_settings
+from worker.upstream.client import UpstreamClient
 
 WORKER_LOG = "chatstream.worker"
 

@@ -18,8 +18,8 @@ from tests.conftest import Harness, chat, free_port
 from tests.support import custom_harness, inject
 from tests.test_security import echo_server
 from worker import logs, speedups
-from worker.runner import Worker
-from worker.runtime import RuntimeChoices, runtime_choices
+from worker.service.runtime import RuntimeChoices, runtime_choices
+from worker.service.worker import Worker
 from worker.settings import Settings, Upstream
 from worker.speedups import chosen_transport
 

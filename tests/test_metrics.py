@@ -15,11 +15,11 @@ from redis.asyncio import Redis
 from tests.conftest import chat, free_port
 from tests.support import silent_server
 from worker.client import Client
-from worker.metrics import JobTiming, Metrics, MetricsServer
-from worker.mock_upstream import MockUpstream
-from worker.queue import Queue
-from worker.runner import Worker
+from worker.service.metrics import JobTiming, Metrics, MetricsServer
+from worker.service.worker import Worker
 from worker.settings import Settings, Upstream
+from worker.store.queue import Queue
+from worker.testing.mock_upstream import MockUpstream
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

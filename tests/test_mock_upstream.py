@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from worker.mock_upstream import (
+from worker.testing.mock_upstream import (
     MockConfig,
     MockRequestError,
     MockUpstream,

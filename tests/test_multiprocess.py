@@ -16,8 +16,8 @@ from schemas.jobs import JobRecord
 from tests.conftest import RedisServer, chat
 from tests.support import check_stream, clean_env, spawn_worker, stop_worker
 from worker.client import Client
-from worker.keys import GROUP, Keys
-from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
+from worker.store.keys import GROUP, Keys
+from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 
 JOBS = 200
 WORKERS = 3

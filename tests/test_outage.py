@@ -35,10 +35,10 @@ from tests.support import (
     worker_env,
 )
 from worker.client import Client
-from worker.keys import Keys
-from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
+from worker.store.keys import Keys
+from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 
 OUTAGE = 60.0  # seconds, as in the issue
 RETRY_AFTER = 5

@@ -19,13 +19,13 @@ from redis.asyncio import Redis
 from schemas.events import EventType
 from tests.conftest import chat
 from tests.support import merge_deltas, stream_entries
-from worker.accumulator import Delta
-from worker.batch import Command
 from worker.client import Client
-from worker.keys import Keys
-from worker.publisher import JobStream, Publisher, Terminal
-from worker.records import Records
+from worker.protocol.accumulator import Delta
 from worker.settings import Settings
+from worker.store.batch import Command
+from worker.store.keys import Keys
+from worker.store.publisher import JobStream, Publisher, Terminal
+from worker.store.records import Records
 
 REFUSED = (
     "EVAL",

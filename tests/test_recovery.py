@@ -40,17 +40,17 @@ from tests.support import (
     stream_entries,
     worker_env,
 )
-from worker.accumulator import Delta
-from worker.batch import PipelineSender
+from worker.aio import cancel_and_wait
 from worker.client import Client
-from worker.keys import GROUP, Keys
-from worker.mock_upstream import MockUpstream, expected_reply
-from worker.publisher import Publisher, Terminal
-from worker.queue import Queue
-from worker.records import Records
-from worker.runner import Running, Worker
+from worker.protocol.accumulator import Delta
+from worker.service.worker import Running, Worker
 from worker.settings import Settings
-from worker.tasks import cancel_and_wait
+from worker.store.batch import PipelineSender
+from worker.store.keys import GROUP, Keys
+from worker.store.publisher import Publisher, Terminal
+from worker.store.queue import Queue
+from worker.store.records import Records
+from worker.testing.mock_upstream import MockUpstream, expected_reply
 
 # one at a time on one test process: their workers' leases and heartbeats run on real clocks
 pytestmark = pytest.mark.xdist_group("worker-processes")

@@ -32,9 +32,9 @@ from tests.support import (
     worker_env,
 )
 from worker.client import Client
-from worker.keys import Keys
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
+from worker.store.keys import Keys
 
 # one at a time on one test process: their workers' leases and heartbeats run on real clocks
 pytestmark = pytest.mark.xdist_group("worker-processes")

@@ -17,11 +17,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from tests.conftest import RedisServer
 from tests.support import needs_redis_server
 from worker.errors import ConfigError
-from worker.keys import Keys
-from worker.redis_client import redis_from_settings, slot_of
-from worker.runtime import startup_summary
+from worker.service.runtime import startup_summary
 from worker.settings import Settings, load_settings
-from worker.urls import parse_redis_url
+from worker.store.keys import Keys
+from worker.store.redis_client import redis_from_settings, slot_of
+from worker.store.urls import parse_redis_url
 
 
 def test_one_server_urls_are_kept_as_they_are() -> None:

@@ -28,13 +28,13 @@ from tests.support import (
     status_of,
     stream_entries,
 )
+from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.errors import NotReplicatedError
-from worker.publisher import JobStream
-from worker.records import ALREADY, NOT_YET, WRITTEN
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.tasks import cancel_and_wait
+from worker.store.publisher import JobStream
+from worker.store.records import ALREADY, NOT_YET, WRITTEN
 
 # -- the publisher notices a record that fell behind ------------------------------------------
 

@@ -28,11 +28,11 @@ from tests.support import custom_harness, inject
 from worker import logs
 from worker.client import Client
 from worker.errors import InvalidJobError
-from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
-from worker.redis_client import redis_from_settings
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings, Upstream
-from worker.urls import redacted_url
+from worker.store.redis_client import redis_from_settings
+from worker.store.urls import redacted_url
+from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 
 # -- a job names an upstream; it never chooses a URL --------------------------------------------
 

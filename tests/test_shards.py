@@ -14,12 +14,12 @@ import pytest
 
 from tests.conftest import Harness, chat
 from tests.support import check_stream, custom_harness, eventually, queue_is_drained, stream_entries
+from worker.aio import cancel_and_wait
 from worker.client import Client
-from worker.keys import GROUP, Keys
-from worker.queue import Queue
-from worker.redis_client import RedisClient
-from worker.stats import collect
-from worker.tasks import cancel_and_wait
+from worker.store.keys import GROUP, Keys
+from worker.store.queue import Queue
+from worker.store.redis_client import RedisClient
+from worker.store.stats import collect
 
 SHARDS = 3
 

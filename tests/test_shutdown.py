@@ -32,8 +32,8 @@ from tests.support import (
     worker_env,
 )
 from worker.client import Client
-from worker.keys import Keys
-from worker.mock_upstream import MockUpstream, expected_reply
+from worker.store.keys import Keys
+from worker.testing.mock_upstream import MockUpstream, expected_reply
 
 
 def short_job(i: int) -> dict[str, Any]:

@@ -13,11 +13,11 @@ from tests.conftest import chat
 from worker import speedups
 from worker.client import Client
 from worker.errors import ConfigError
-from worker.mock_upstream import serve_mock
-from worker.redis_client import redis_from_settings
-from worker.runner import Worker
-from worker.runtime import runtime_choices
+from worker.service.runtime import runtime_choices
+from worker.service.worker import Worker
 from worker.settings import Settings
+from worker.store.redis_client import redis_from_settings
+from worker.testing.mock_upstream import serve_mock
 
 needs_uvloop = pytest.mark.skipif(not speedups.uvloop_installed(), reason="needs uvloop")
 needs_hiredis = pytest.mark.skipif(not speedups.hiredis_installed(), reason="needs hiredis")

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.errors import EventTooLargeError, ProtocolError
-from worker.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
+from worker.protocol.sse import DEFAULT_MAX_EVENT_BYTES, SSEDecoder
 
 BOM = b"\xef\xbb\xbf"
 

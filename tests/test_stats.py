@@ -14,10 +14,10 @@ from redis.asyncio import Redis
 
 from tests.conftest import RedisServer, chat
 from worker.client import Client
-from worker.keys import Keys
-from worker.queue import Queue
 from worker.settings import Settings
-from worker.stats import Stats, collect, render
+from worker.store.keys import Keys
+from worker.store.queue import Queue
+from worker.store.stats import Stats, collect, render
 
 
 async def _populate(settings: Settings, redis: Redis) -> Keys:

@@ -19,10 +19,10 @@ from redis.asyncio import Redis
 
 from tests.conftest import RedisServer, chat
 from worker.client import Client
-from worker.keys import Keys
-from worker.mock_upstream import MockUpstream
+from worker.service.supervisor import Supervisor
 from worker.settings import Settings
-from worker.supervisor import Supervisor
+from worker.store.keys import Keys
+from worker.testing.mock_upstream import MockUpstream
 
 PY = sys.executable
 

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support import merged
-from worker.accumulator import Accumulator, FinalMessage
 from worker.errors import ChatstreamError
-from worker.template import ChunkTemplate, learn
+from worker.protocol.accumulator import Accumulator, FinalMessage
+from worker.protocol.template import ChunkTemplate, learn
 
 DELTA = ("choices", 0, "delta")
 CONTENT = (*DELTA, "content")

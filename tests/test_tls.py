@@ -28,10 +28,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from schemas.events import EventType
 from tests.conftest import RedisServer, chat, redis_executable
 from worker.client import Client
-from worker.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
-from worker.redis_client import redis_from_settings
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
+from worker.store.redis_client import redis_from_settings
+from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 
 PASSWORD = "tls-Pa55word-0a1b2c"
 

@@ -1,4 +1,4 @@
-"""worker.transport: httpx over asyncio protocols and httptools, under real sockets.
+"""worker.upstream.transport: httpx over asyncio protocols and httptools, under real sockets.
 
 The upstream tests (test_upstream, test_faults, test_security) go through it for every
 loopback call (it is the default transport where httptools is installed); these pin what
@@ -24,8 +24,8 @@ from tests.test_tls import make_certs
 from worker.errors import ConfigError, RetryableUpstreamError, UpstreamTimeoutError
 from worker.settings import Settings
 from worker.speedups import chosen_transport
-from worker.transport import HIGH_WATER, HttptoolsTransport, _Connection
-from worker.upstream import UpstreamClient
+from worker.upstream.client import UpstreamClient
+from worker.upstream.transport import HIGH_WATER, HttptoolsTransport, _Connection
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
 DONE = b"data: [DONE]\n\n"

@@ -1,4 +1,4 @@
-"""worker.upstream: the streaming call, retries before the first byte, error mapping."""
+"""worker.upstream.client: the streaming call, retries before the first byte, error mapping."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from worker.errors import (
     UpstreamTimeoutError,
 )
 from worker.settings import Settings
-from worker.upstream import UpstreamClient, retry_after_seconds
+from worker.upstream.client import UpstreamClient, retry_after_seconds
 
 KEY = "sk-secret-123"
 SSE = {"content-type": "text/event-stream"}

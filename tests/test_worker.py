@@ -29,17 +29,17 @@ from tests.support import (
     stream_entries,
 )
 from worker.client import Client
-from worker.keys import Keys
-from worker.mock_upstream import (
+from worker.service.worker import Worker
+from worker.settings import Settings
+from worker.store.keys import Keys
+from worker.testing.mock_upstream import (
     MockConfig,
     expected_reasoning,
     expected_reply,
     expected_tool_calls,
     expected_usage,
 )
-from worker.runner import Worker
-from worker.settings import Settings
-from worker.upstream import UpstreamClient
+from worker.upstream.client import UpstreamClient
 
 # -- helpers ----------------------------------------------------------------------------------
 

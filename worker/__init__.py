@@ -1,0 +1,23 @@
+"""chatstream: chat-completion jobs in, live and durable token streams out.
+
+The package's rooms, from the pure core outwards (``tests/unit/test_layers.py`` holds the
+rules of which may import which; docs/decisions.md, "Layout"):
+
+=============== ======================================================================
+``protocol/``   the upstream's wire format: SSE decoder, chunk folding, merge rules (pure)
+``upstream/``   the streaming HTTP call: httpx client, httptools transport, health gate
+``store/``      everything kept in Redis: keys, connections, records, queue, heartbeats,
+                the publisher and its round trips, the jobs index, stats, the Lua scripts
+``service/``    the worker process: lifecycle, a queue entry's fate, upkeep, the pipeline
+                of one job, metrics and health, the supervisor
+``gateway/``    ``chatstream gateway``: OpenAI-compatible HTTP in, resumable SSE out
+``cli/``        the ``chatstream`` command, what it prints, the demos
+``testing/``    the mock upstream, for the demo and for users' own tests
+=============== ======================================================================
+
+Shared by every room: ``settings`` (configuration), ``errors`` (the exception tree),
+``logs`` (log lines, secrets masked), ``retry`` (backoff policies), ``aio`` (asyncio
+helpers), ``speedups`` (uvloop, hiredis, httptools when installed), ``embedded_server``
+(uvicorn inside a running loop). What backend services import is ``client``
+(``Client``, ``SyncClient``) and ``schemas``.
+"""

@@ -20,15 +20,15 @@ from pydantic import ValidationError
 from schemas.events import StreamEvent
 from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import ChatRequest, JobSpec
+from worker.aio import cancel_and_wait
 from worker.errors import InvalidJobError, JobNotFoundError, NotReplicatedError
-from worker.jobs import JobIndex, JobPage, Progress, read_progress
-from worker.keys import Keys
-from worker.queue import DeadLetter, Queue
-from worker.records import Records, as_text, dumps
-from worker.redis_client import RedisClient, connect, redis_from_settings
-from worker.replication import Replication
 from worker.settings import Settings
-from worker.tasks import cancel_and_wait
+from worker.store.jobs import JobIndex, JobPage, Progress, read_progress
+from worker.store.keys import Keys
+from worker.store.queue import DeadLetter, Queue
+from worker.store.records import Records, as_text, dumps
+from worker.store.redis_client import RedisClient, connect, redis_from_settings
+from worker.store.replication import Replication
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
@@ -74,7 +74,7 @@ class Client:
 
     @classmethod
     async def connect(cls, settings: Settings) -> Client:
-        """A client on :func:`worker.redis_client.connect` (a plain URL of a Cluster node
+        """A client on :func:`worker.store.redis_client.connect` (a plain URL of a Cluster node
         becomes a cluster client)."""
         return cls.from_settings(settings, await connect(settings))
 
@@ -279,7 +279,7 @@ async def within(work: Coroutine[Any, Any, T], timeout: float | None) -> T:
     """``await work``, or TimeoutError once ``timeout`` seconds passed.
 
     Not ``asyncio.timeout``: redis-py can swallow the one cancellation it sends (see
-    ``worker.tasks.cancel_and_wait``), and a blocking read then runs on past the deadline
+    ``worker.aio.cancel_and_wait``), and a blocking read then runs on past the deadline
     (``enqueue --follow --timeout 1`` streamed a 4 s reply to its end on a loaded
     machine). The work runs as a task that is cancelled until it stops.
     """

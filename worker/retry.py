@@ -6,8 +6,8 @@
   (docs/reliability.md).
 - redis-py's own reconnect-and-resend (``redis_from_settings``) pauses the same way, through
   :class:`RedisBackoff`.
-- Upstream calls (``worker/upstream.py``) retry with tenacity too; while an upstream is down
-  its gate (``worker/gate.py``) paces the tries with the ``CHATSTREAM_RETRY_*`` backoff.
+- Upstream calls (``worker/upstream/client.py``) retry with tenacity too; while an upstream is down
+  its gate (``worker/upstream/gate.py``) paces the tries with the ``CHATSTREAM_RETRY_*`` backoff.
 
 Loops that keep their own failure count (the publisher per job, a gate per upstream) ask
 :func:`pause` for the wait that tenacity's policy gives after that many failures.

@@ -2,12 +2,12 @@
 
 They are the ecosystem's standard accelerators (uvicorn and redis-py ship them as
 extras): uvloop is an event loop on libuv, hiredis parses Redis replies in C, httptools
-parses HTTP responses in C (llhttp) under ``worker.transport``. Without them the worker
+parses HTTP responses in C (llhttp) under ``worker.upstream.transport``. Without them the worker
 runs on asyncio, redis-py's pure-Python parser and httpx's own transport, the same code
 either way. ``CHATSTREAM_EVENT_LOOP`` / ``CHATSTREAM_REDIS_PARSER`` /
 ``CHATSTREAM_HTTP_TRANSPORT`` (``auto``, the default, or one of the two) force a choice;
 forcing one that is not installed is a configuration error. What a running process uses
-(``worker.runtime.runtime_choices``, ``chosen_transport``) is in the worker's start-up line.
+(``worker.service.runtime.runtime_choices``, ``chosen_transport``) is in the worker's start-up line.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def environment_proxies() -> dict[str, str]:
 
 
 def chosen_transport(settings: Settings) -> str:
-    """``httptools`` (``worker.transport``) or ``httpx`` (httpx's own, on httpcore)."""
+    """``httptools`` (``worker.upstream.transport``) or ``httpx`` (httpx's own, on httpcore)."""
     choice = settings.http_transport
     if choice == "auto":
         usable = httptools_installed() and not environment_proxies()

@@ -16,7 +16,7 @@
 See docs/gateway.md.
 """
 
-from worker.gateway.routes import create_app
+from worker.gateway.app import create_app
 from worker.gateway.server import run_gateway, serve_gateway
 
 __all__ = ["create_app", "run_gateway", "serve_gateway"]

@@ -1,457 +1,302 @@
-"""The HTTP gateway: OpenAI-compatible requests in, resumable token streams out.
-
-A Starlette app (docs/gateway.md documents every endpoint and header). It enqueues jobs with
-the public ``Client`` and otherwise only reads Redis: job records with ``HMGET``, events
-streams with ``XRANGE`` and, for everything live, the process's ``EventHub``. A slow or
-vanished client therefore never blocks a worker or another client.
-"""
+"""The gateway's endpoints and the Starlette app that routes to them (docs/gateway.md)."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import gc
-import hashlib
 import json
 import logging
-import re
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from schemas.jobs import TERMINAL, JobStatus
-from schemas.requests import JOB_ID_PATTERN, ChatRequest
-from worker.client import Client
-from worker.errors import ChatstreamError, InvalidJobError, JobNotFoundError, NotReplicatedError
-from worker.gateway import openai_format as fmt
-from worker.gateway.auth import ApiKey, ApiKeys, bearer
-from worker.gateway.hub import JobFeed, Row, event_hub, is_terminal
-from worker.gateway.limits import RateLimiter, Slot, StreamSlots
-from worker.gateway.responses import EventStream, client_gone
-from worker.redis_client import RedisClient, redis_from_settings
+from schemas.jobs import JobRecord, JobStatus
+from worker.errors import JobNotFoundError
+from worker.gateway.core import (
+    CANCEL_HEADER,
+    IDEMPOTENCY_KEY,
+    TRUE,
+    Gateway,
+    GatewayError,
+    cancel_on_disconnect,
+    error_response,
+    include_usage,
+    native_frames,
+    openai_frames,
+    resume_cursor,
+)
+from worker.gateway.hub import JobFeed
+from worker.gateway.limits import LimitExceeded
+from worker.gateway.page import page_routes
+from worker.gateway.streaming import EventStream
 from worker.settings import Settings
-from worker.tasks import cancel_and_wait
+from worker.store.redis_client import RedisClient
 
 log = logging.getLogger("chatstream.gateway")
 
-_JOB_ID = re.compile(JOB_ID_PATTERN)
-_ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
-IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
-# EventSource reconnects after this many ms. It rides on the first event: the openai SDK
-# dispatches an event for a lone "retry:" line, with empty data it cannot parse.
-RETRY_LINE = b"retry: 1000\n"
-TRUE = frozenset({"1", "true", "yes"})
-CANCEL_HEADER = "x-chatstream-cancel-on-disconnect"
-TERMINAL_VALUES = frozenset(status.value for status in TERMINAL)
+
+def gateway_of(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
 
 
-class GatewayError(Exception):
-    """Answered as OpenAI's error JSON with ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.headers = headers or {}
-
-
-def error_response(
-    status: int,
-    message: str,
-    type_: str,
-    code: str | None,
-    headers: Mapping[str, str] | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def not_found(job_id: str) -> GatewayError:
-    return GatewayError(404, f"no job {job_id!r}", code="job_not_found")
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    """What the gateway keeps of a job: its status and the metadata it wrote at creation."""
-
-    job_id: str
-    status: str
-    owner: str
-    model: str
-    include_usage: bool
-    created: int
-    request_sha256: str
-
-    @property
-    def terminal(self) -> bool:
-        return self.status in TERMINAL_VALUES
-
-    def context(self, include_usage: bool | None = None) -> fmt.ChunkContext:
-        usage = self.include_usage if include_usage is None else include_usage
-        return fmt.ChunkContext(self.job_id, self.created, self.model, usage)
-
-
-class Gateway:
-    """The app's state: settings, keys, Redis, the client, the hub and the limits."""
-
-    def __init__(self, settings: Settings, redis: RedisClient | None = None) -> None:
-        self.settings = settings
-        self.api_keys = ApiKeys.from_setting(settings.gateway_api_keys)
-        self.owns_redis = redis is None
-        self.redis = redis if redis is not None else redis_from_settings(settings)
-        self.client = Client.from_settings(settings, self.redis)
-        self.keys = self.client.keys
-        self.hub = event_hub(self.redis, self.keys)
-        self.slots = StreamSlots(
-            settings.gateway_max_streams_per_key, settings.gateway_max_connections
-        )
-        self.rate = RateLimiter(self.redis, self.keys, settings.gateway_jobs_per_minute)
-
-    @asynccontextmanager
-    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        # What is alive after start-up lives as long as the process: out of the collector's
-        # sight, full collections stay short (they stalled every stream for 80-90 ms with
-        # hundreds of clients; the worker does the same, docs/decisions.md 15).
-        gc.collect()
-        gc.freeze()
-        task = asyncio.create_task(self.hub.run(), name="chatstream-gateway-hub")
-        try:
-            yield
-        finally:
-            await cancel_and_wait([task])
-            await self.hub.close()
-            if self.owns_redis:
-                await self.redis.aclose()
-
-    # -- who is asking ----------------------------------------------------------------------
-
-    def authenticate(self, request: Request) -> ApiKey:
-        token = bearer(request.headers.get("authorization"))
-        if not token:
-            raise GatewayError(
-                401,
-                "missing API key: send Authorization: Bearer <key>",
-                code="missing_api_key",
-            )
-        key = self.api_keys.check(token)
-        if key is None:
-            raise GatewayError(401, "invalid API key", code="invalid_api_key")
-        return key
-
-    async def job_info(self, job_id: str) -> JobInfo | None:
-        if not _JOB_ID.fullmatch(job_id):
-            return None
-        reply: Any = await self.redis.hmget(self.keys.job(job_id), ["status", "metadata"])
-        status, metadata = reply
-        if status is None:
-            return None
-        meta = _json_object(metadata)
-        return JobInfo(
-            job_id=job_id,
-            status=status,
-            owner=str(meta.get("owner", "")),
-            model=str(meta.get("model", "")),
-            include_usage=bool(meta.get("include_usage")),
-            created=int(meta.get("created") or 0),
-            request_sha256=str(meta.get("request_sha256", "")),
-        )
-
-    async def owned_job(self, job_id: str, key: ApiKey) -> JobInfo:
-        """The job when ``key`` created it; 404 alike for another key's job and none."""
-        info = await self.job_info(job_id)
-        if info is None or info.owner != key.id:
-            raise not_found(job_id)
-        return info
-
-    async def events_access(self, request: Request, job_id: str) -> tuple[JobInfo, ApiKey]:
-        """A bearer key that owns the job, or (for browsers) the job's events token."""
-        token = request.query_params.get("token")
-        if token is None or "authorization" in request.headers:
-            key = self.authenticate(request)
-            return await self.owned_job(job_id, key), key
-        info = await self.job_info(job_id)
-        found = self.api_keys.check_token(info.owner, job_id, token) if info else None
-        if info is None or found is None:
-            raise GatewayError(401, "invalid events token for this job", code="invalid_token")
-        return info, found
-
-    # -- creating jobs ----------------------------------------------------------------------
-
-    async def submit(
-        self, key: ApiKey, body: dict[str, Any], idempotency_key: str | None
-    ) -> JobInfo:
-        """Enqueue the request as a job of ``key`` (or find the one the key already made)."""
-        _check_chat_request(body)  # before it spends a job of the key's rate
-        sha = _request_sha256(body)
-        job_id = None
-        if idempotency_key is not None:
-            job_id = _idempotent_job_id(key, idempotency_key)
-            existing = await self.job_info(job_id)
-            if existing is not None:
-                if existing.request_sha256 != sha:
-                    raise GatewayError(
-                        400,
-                        "this Idempotency-Key was used for a different request",
-                        code="idempotency_key_reused",
-                    )
-                return existing
-        await self.rate.take(key.id)
-        info = JobInfo(
-            job_id="",
-            status=JobStatus.QUEUED.value,
-            owner=key.id,
-            model=str(body.get("model", "")),
-            include_usage=include_usage(body),
-            created=int(time.time()),
-            request_sha256=sha,
-        )
-        metadata = {
-            "owner": info.owner,
-            "model": info.model,
-            "include_usage": info.include_usage,
-            "created": info.created,
-            "request_sha256": sha,
-        }
-        try:
-            job_id = await self.client.enqueue(body, job_id=job_id, metadata=metadata)
-        except InvalidJobError as exc:
-            raise GatewayError(400, exc.message, code="invalid_request") from None
-        except NotReplicatedError as exc:  # queued on the master: a retry waits again
-            headers = {"retry-after": "1"}
-            raise GatewayError(
-                503, exc.message, type_="server_error", code="not_replicated", headers=headers
-            ) from None
-        return dataclasses.replace(info, job_id=job_id)
-
-    # -- answering --------------------------------------------------------------------------
-
-    async def stream_reply(
-        self,
-        info: JobInfo,
-        ctx: fmt.ChunkContext,
-        headers: dict[str, str],
-        slot: Slot,
-        *,
-        cancel: bool = False,
-    ) -> Response | EventStream:
-        """An SSE response once the first entry came (or a keep-alive is due). A job that
-        failed before any output is answered with an HTTP error, as OpenAI does. The
-        response releases ``slot`` when it ends."""
-        feed = JobFeed(
-            self.hub, self.keys, info.job_id, idle_seconds=self.settings.gateway_keepalive_seconds
-        )
-        batches = feed.batches()
-        first = await anext(batches)
-        if _failed_before_output(first):
-            await batches.aclose()
-            slot.release()
-            last = first[-1][1]
-            return _job_error_response(json.loads(last.get("data") or "{}"), last["type"], headers)
-        frames = openai_frames(ctx, batches, first=first)
-        return self.event_stream(frames, info, headers, slot, cancel=cancel)
-
-    def event_stream(
-        self,
-        frames: AsyncGenerator[bytes, None],
-        info: JobInfo,
-        headers: dict[str, str],
-        slot: Slot,
-        *,
-        cancel: bool = False,
-    ) -> EventStream:
-        async def close(client_gone: bool) -> None:
-            slot.release()
-            if client_gone and cancel:
-                await self.cancel_quietly(info.job_id)
-
-        return EventStream(
-            frames, headers=headers, send_timeout=self.settings.gateway_send_timeout, on_close=close
-        )
-
-    async def cancel_quietly(self, job_id: str) -> None:
-        try:
-            await self.client.cancel(job_id)
-            log.info("gateway: job %s cancelled: its client disconnected", job_id)
-        except (ChatstreamError, RedisError) as exc:
-            log.warning("gateway: cancelling job %s failed: %s", job_id, exc)
-
-    async def wait_reply(
-        self, request: Request, info: JobInfo, ctx: fmt.ChunkContext, headers: dict[str, str]
-    ) -> Response:
-        """The ``chat.completion`` once the job ends (or the error it ended with)."""
-        finished = asyncio.create_task(self.wait_terminal(info.job_id))
-        gone = asyncio.create_task(client_gone(request.receive))
-        try:
-            await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await cancel_and_wait([finished, gone])
-        if not finished.done() or finished.cancelled():
-            if cancel_on_disconnect(request):
-                await self.cancel_quietly(info.job_id)
-            return Response(status_code=499)  # nobody is listening
-        finished.result()
-        record = await self.client.get(info.job_id)
-        if record.status is JobStatus.SUCCEEDED:
-            return JSONResponse(fmt.completion(ctx, record), headers=headers)
-        kind = "cancelled" if record.status is JobStatus.CANCELLED else "error"
-        return _job_error_response({"error": record.error}, kind, headers)
-
-    async def wait_terminal(self, job_id: str) -> None:
-        """Returns once the job's stream has its terminal entry."""
-        key = self.keys.events(job_id)
-        last: Any = await self.redis.xrevrange(key, count=1)
-        if last and is_terminal(last[0]):
-            return
-        after = last[0][0] if last else "0-0"
-        feed = JobFeed(self.hub, self.keys, job_id, after=after, idle_seconds=60)
-        async for rows in feed.batches():
-            if rows and is_terminal(rows[-1]):
-                return
-
-
-# -- frames ---------------------------------------------------------------------------------
-
-
-async def openai_frames(
-    ctx: fmt.ChunkContext,
-    batches: AsyncGenerator[list[Row], None],
-    *,
-    first: list[Row] | None = None,
-    done_if_empty: bool = False,
-) -> AsyncGenerator[bytes, None]:
-    """The job's entries as OpenAI chunks; a keep-alive comment for an idle period."""
-    sent = False
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object: 413 past ``limit`` bytes, 400 when not JSON."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large(limit)
+        parts.append(part)
     try:
-        if first is not None:
-            yield _openai_bytes(ctx, first, retry=True)
-            sent = bool(first)
-        async for rows in batches:
-            yield _openai_bytes(ctx, rows, retry=not sent)
-            sent = sent or bool(rows)
-        if not sent and done_if_empty:
-            yield fmt.DONE_FRAME  # resumed after the done entry: only the end marker is left
-    except JobNotFoundError as exc:
-        yield fmt.error_frame(ctx, "job_expired", exc.message)
-    finally:
-        await batches.aclose()
+        body = json.loads(b"".join(parts))
+    except (ValueError, RecursionError) as exc:
+        raise GatewayError(
+            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "the request body must be a JSON object", code="invalid_request")
+    return body
 
 
-def _openai_bytes(ctx: fmt.ChunkContext, rows: list[Row], *, retry: bool) -> bytes:
-    """The rows' frames (the first data-bearing one with ``retry:``); a keep-alive for []."""
-    if not rows:
-        return fmt.KEEPALIVE_FRAME
-    frames = fmt.sse_frames(ctx, rows)
-    return RETRY_LINE + frames if retry else frames
+def too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large"
+    )
 
 
-async def native_frames(batches: AsyncGenerator[list[Row], None]) -> AsyncGenerator[bytes, None]:
-    """The job's entries as chatstream events (``?format=chatstream``)."""
-    sent = False
-    try:
-        async for rows in batches:
-            if not rows:
-                yield fmt.KEEPALIVE_FRAME
-                continue
-            yield fmt.native_frames(rows) if sent else RETRY_LINE + fmt.native_frames(rows)
-            sent = True
-    except JobNotFoundError as exc:
-        error = {"code": "job_expired", "message": exc.message}
-        event = {"id": None, "type": "error", "attempt": 0, "data": {"error": error}}
-        yield b"data: " + json.dumps(event).encode() + b"\n\n"
-    finally:
-        await batches.aclose()
+# choices per request (n): OpenAI's own limit, so what OpenAI accepts the gateway accepts
+MAX_CHOICES = 128
 
 
-# -- helpers --------------------------------------------------------------------------------
-
-
-def _json_object(raw: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(raw or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def include_usage(body: dict[str, Any]) -> bool:
+def check_request(body: dict[str, Any]) -> None:
+    """What the gateway itself relies on; the rest is validated at enqueue."""
+    if not isinstance(body.get("stream", False), bool):
+        raise GatewayError(400, "stream must be true or false", code="invalid_request")
+    n = body.get("n")
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):
+        raise GatewayError(
+            400, f"n must be an integer from 1 to {MAX_CHOICES}", code="invalid_request"
+        )
     options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
+    if options is not None and not isinstance(options, dict):
+        raise GatewayError(400, "stream_options must be an object", code="invalid_request")
 
 
-def resume_cursor(request: Request) -> str:
-    """Where a client resumes: ``Last-Event-ID`` (an EventSource reconnecting), else
-    ``?after=``, else the beginning."""
-    value = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
-    if not _ENTRY_ID.fullmatch(value):
+def idempotency_key(request: Request) -> str | None:
+    value = request.headers.get("idempotency-key")
+    if value is not None and not IDEMPOTENCY_KEY.fullmatch(value):
         raise GatewayError(
             400,
-            "Last-Event-ID and after must be an entry id such as 1718000000000-0",
-            code="invalid_cursor",
+            "Idempotency-Key must be 1 to 255 visible ASCII characters",
+            code="invalid_idempotency_key",
         )
-    return value if "-" in value else f"{value}-0"
+    return value
 
 
-def _check_chat_request(body: dict[str, Any]) -> None:
+# -- endpoints ------------------------------------------------------------------------------
+
+
+async def chat_completions(request: Request) -> Response | EventStream:
+    gateway = gateway_of(request)
+    key = gateway.authenticate(request)
+    body = await read_json(request, gateway.settings.gateway_max_body_bytes)
+    check_request(body)
+    respond_async = "respond-async" in request.headers.get("prefer", "").lower()
+    slot = None if respond_async else gateway.slots.take(key.id)  # before the job exists
     try:
-        ChatRequest.model_validate(body)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        raise GatewayError(400, f"invalid request: {problems}", code="invalid_request") from None
+        info = await gateway.submit(key, body, idempotency_key(request))
+        headers = {
+            "x-chatstream-job-id": info.job_id,
+            "x-chatstream-events-token": key.events_token(info.job_id),
+        }
+        if slot is None:
+            return JSONResponse(
+                accepted_job(info.job_id, headers), status_code=202, headers=headers
+            )
+        ctx = info.context(include_usage=include_usage(body))
+        if not body.get("stream"):
+            return await gateway.wait_reply(request, info, ctx, headers)
+        cancel = cancel_on_disconnect(request)
+        reply = await gateway.stream_reply(info, ctx, headers, slot, cancel=cancel)
+        if isinstance(reply, EventStream):
+            slot = None  # the stream releases it when it ends
+        return reply
+    finally:
+        if slot is not None:
+            slot.release()
 
 
-def _request_sha256(body: dict[str, Any]) -> str:
-    """The request without how it is delivered (``stream``, ``stream_options``)."""
-    same_job = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    canonical = json.dumps(same_job, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def accepted_job(job_id: str, headers: dict[str, str]) -> dict[str, Any]:
+    token = headers["x-chatstream-events-token"]
+    return {
+        "id": job_id,
+        "object": "chatstream.job",
+        "events_url": f"/v1/jobs/{job_id}/events?token={token}",
+        "events_token": token,
+    }
 
 
-def _idempotent_job_id(key: ApiKey, idempotency_key: str) -> str:
-    """The job id of a key's Idempotency-Key: another key's same header is another job."""
-    return "idem-" + hashlib.sha256(f"{key.id}\n{idempotency_key}".encode()).hexdigest()[:40]
-
-
-def cancel_on_disconnect(request: Request) -> bool:
-    return request.headers.get(CANCEL_HEADER, "").lower() in TRUE
-
-
-def _failed_before_output(rows: list[Row]) -> bool:
-    """The job ended with an error (or a cancel) before it sent any delta."""
-    return (
-        bool(rows)
-        and rows[-1][1].get("type") in ("error", "cancelled")
-        and all(row[1].get("type") == "reset" for row in rows[:-1])
+async def job_events(request: Request) -> EventStream:
+    gateway = gateway_of(request)
+    job_id = request.path_params["job_id"]
+    info, key = await gateway.events_access(request, job_id)
+    after = resume_cursor(request)
+    native = _format(request) == "chatstream"
+    cancel = request.query_params.get("cancel_on_disconnect", "").lower() in TRUE
+    slot = gateway.slots.take(key.id)
+    feed = JobFeed(
+        gateway.hub,
+        gateway.keys,
+        job_id,
+        after=after,
+        ended=info.terminal,
+        idle_seconds=gateway.settings.gateway_keepalive_seconds,
     )
+    if native:
+        frames = native_frames(feed.batches())
+    else:
+        done = info.status == JobStatus.SUCCEEDED.value
+        frames = openai_frames(info.context(), feed.batches(), done_if_empty=done)
+    headers = {"x-chatstream-job-id": job_id}
+    return gateway.event_stream(frames, info, headers, slot, cancel=cancel)
 
 
-def _job_error_response(data: dict[str, Any], kind: str, headers: dict[str, str]) -> Response:
-    error = data.get("error") if kind == "error" else fmt.CANCELLED_ERROR
-    error = error or {"code": "error", "message": "the job failed"}
-    status, type_ = fmt.job_error_status(error)
+def _format(request: Request) -> str:
+    value = request.query_params.get("format", "openai")
+    if value not in ("openai", "chatstream"):
+        raise GatewayError(400, "format must be openai or chatstream", code="invalid_format")
+    return value
+
+
+async def owned(request: Request) -> tuple[Gateway, str]:
+    """The gateway and the path's job id, once the caller's key is known to own the job."""
+    gateway = gateway_of(request)
+    key = gateway.authenticate(request)
+    job_id: str = request.path_params["job_id"]
+    await gateway.owned_job(job_id, key)
+    return gateway, job_id
+
+
+async def get_job(request: Request) -> Response:
+    gateway, job_id = await owned(request)
+    record = await gateway.client.get(job_id)
+    return JSONResponse(record.model_dump(mode="json", include=set(JobRecord.model_fields)))
+
+
+async def cancel_job(request: Request) -> Response:
+    gateway, job_id = await owned(request)
+    state = await gateway.client.cancel(job_id)
+    return JSONResponse({"id": job_id, "status": str(state)})
+
+
+async def healthz(request: Request) -> Response:
+    """Redis reachable (else 503), with the process's open streams and followed jobs."""
+    gateway = gateway_of(request)
+    counts = {"open_streams": gateway.slots.open_total, "followed_jobs": gateway.hub.followed}
+    try:
+        await gateway.redis.ping()
+    except RedisError:
+        return JSONResponse({"status": "redis unreachable", **counts}, status_code=503)
+    return JSONResponse({"status": "ok", **counts})
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+async def on_gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc.status, exc.message, exc.type, exc.code, exc.headers)
+
+
+async def on_limit(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, LimitExceeded)
+    type_ = "rate_limit_error" if exc.status == 429 else "server_error"
+    headers = {"retry-after": str(exc.retry_after)}
+    return error_response(exc.status, exc.message, type_, exc.code, headers)
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed"}
+    text = message.get(exc.status_code, str(exc.detail))
+    return error_response(exc.status_code, text, "invalid_request_error", None, exc.headers)
+
+
+async def on_job_not_found(request: Request, exc: Exception) -> Response:
+    job_id = request.path_params.get("job_id", "")
+    return error_response(404, f"no job {job_id!r}", "invalid_request_error", "job_not_found")
+
+
+async def on_redis_error(request: Request, exc: Exception) -> Response:
+    log.warning("gateway: Redis error: %s", exc)
+    headers = {"retry-after": "1"}
     return error_response(
-        status,
-        str(error.get("message", "")),
-        type_,
-        error.get("code"),
-        {**headers, "x-should-retry": "false"},
+        503, "Redis is unavailable; retry shortly", "server_error", "unavailable", headers
     )
+
+
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    log.error("gateway: unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal error", "server_error", None)
+
+
+# -- the app --------------------------------------------------------------------------------
+
+API_ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/cancel", cancel_job, methods=["POST"]),
+    Route("/healthz", healthz, methods=["GET"]),
+]
+CORS_HEADERS = [
+    "authorization",
+    "content-type",
+    "idempotency-key",
+    "last-event-id",
+    "prefer",
+    CANCEL_HEADER,
+]
+EXPOSED_HEADERS = ["x-chatstream-job-id", "x-chatstream-events-token", "retry-after"]
+
+
+def create_app(settings: Settings, redis: RedisClient | None = None) -> Starlette:
+    """The gateway app; raises ConfigError without API keys. ``redis``: a client to use
+    (else one from the settings, closed with the app)."""
+    gateway = Gateway(settings, redis)
+    middleware = []
+    if settings.gateway_cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=settings.gateway_cors_origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=CORS_HEADERS,
+                expose_headers=EXPOSED_HEADERS,
+            )
+        )
+    app = Starlette(
+        routes=[*API_ROUTES, *page_routes()],
+        middleware=middleware,
+        exception_handlers={
+            GatewayError: on_gateway_error,
+            LimitExceeded: on_limit,
+            HTTPException: on_http_error,
+            JobNotFoundError: on_job_not_found,
+            RedisError: on_redis_error,
+            Exception: on_unexpected,
+        },
+        lifespan=gateway.lifespan,
+    )
+    app.state.gateway = gateway
+    return app

@@ -29,11 +29,11 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from worker.aio import cancel_and_wait
 from worker.errors import JobNotFoundError
-from worker.keys import Keys
-from worker.redis_client import RedisClient, stream_replies
 from worker.retry import REDIS_WAIT, often_enough, pause
-from worker.tasks import cancel_and_wait
+from worker.store.keys import Keys
+from worker.store.redis_client import RedisClient, stream_replies
 
 log = logging.getLogger("chatstream.gateway")
 

@@ -15,8 +15,8 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from worker.keys import Keys
-from worker.redis_client import RedisClient
+from worker.store.keys import Keys
+from worker.store.redis_client import RedisClient
 
 
 class LimitExceeded(Exception):

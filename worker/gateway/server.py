@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import uvicorn
 
 from worker.embedded_server import EmbeddedServer, bind, served
-from worker.gateway.routes import create_app
-from worker.redis_client import RedisClient, connect
+from worker.gateway.app import create_app
 from worker.settings import Settings
+from worker.store.redis_client import RedisClient, connect
 
 log = logging.getLogger("chatstream.gateway")
 

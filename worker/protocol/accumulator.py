@@ -5,11 +5,11 @@ upstream read as raw bytes (``SSEDecoder.feed_data``), :meth:`Accumulator.take_d
 returns what they added as one :class:`Delta` to publish, :meth:`Accumulator.finish` the
 final message. Chunks are the plain dicts ``pydantic_core.from_json`` returns.
 
-The accumulator reads; ``worker/message.py`` merges. It validates each chunk and routes
+The accumulator reads; ``worker/protocol/message.py`` merges. It validates each chunk and routes
 its fields to the :class:`~worker.message.Message` of their choice, which holds every
 merge rule once. The fast path (a chunk whose only effect is a string appended to choice
 0's content, to a call's arguments or to the last reasoning entry, found by a few type
-checks or by a template match, ``worker/template.py``) skips validation and routing,
+checks or by a template match, ``worker/protocol/template.py``) skips validation and routing,
 never the merge.
 
 Reading chunks (the rules of the upstream side):
@@ -46,8 +46,8 @@ from pydantic_core import from_json
 
 from schemas.jobs import EXTRAS
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError, snippet
-from worker.message import CONCAT, Delta, Message, ReasoningEntry, joins, pair_surrogates
-from worker.template import ChunkTemplate, Path, is_clean, learn
+from worker.protocol.message import CONCAT, Delta, Message, ReasoningEntry, joins, pair_surrogates
+from worker.protocol.template import ChunkTemplate, Path, is_clean, learn
 
 __all__ = ["Accumulator", "Delta", "FinalMessage"]
 
@@ -115,7 +115,7 @@ _TRAILERS = ("usage", *EXTRAS)
 _TEXT_DELTA = frozenset({"content", "role", "refusal"})
 _ARGS_DELTA = frozenset({"tool_calls", "content", "role", "refusal"})
 _REASONING_DELTA = frozenset({"reasoning_details", "reasoning", "reasoning_content", *_ARGS_DELTA})
-# templates (worker/template.py): where a fast kind's value sits; string fields never read
+# templates (worker/protocol/template.py): where a fast kind's value sits; string fields never read
 # that may change from chunk to chunk (usually the value itself; random ones never are)
 _DELTA: Path = ("choices", 0, "delta")
 _VALUE: dict[str, Path] = {

@@ -18,9 +18,9 @@ from typing import Any
 from redis.commands.core import AsyncScript
 
 from schemas.jobs import OUTPUT_FIELDS
-from worker.batch import Command
-from worker.keys import Keys
-from worker.redis_client import RedisClient
+from worker.store.batch import Command
+from worker.store.keys import Keys
+from worker.store.redis_client import RedisClient
 
 JSONish = dict[str, Any]
 

@@ -22,10 +22,10 @@ from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, MovedError, RedisClusterException, RedisError
 
-from worker.batch import Command
 from worker.errors import NotReplicatedError
-from worker.records import as_text
-from worker.redis_client import RedisClient, slot_of
+from worker.store.batch import Command
+from worker.store.records import as_text
+from worker.store.redis_client import RedisClient, slot_of
 
 # KEYS: record. ARGV: now. On a terminal record, a write that replicates (the WAIT after it
 # then counts the replicas that have the terminal state); its status, or 'missing'.

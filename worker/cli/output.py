@@ -1,6 +1,6 @@
 """What the ``chatstream`` command and the demo print: events, job records, job lists.
 
-A module of its own so that ``worker.cli`` (the commands) and ``worker.demo`` both use it
+A module of its own so that ``worker.cli.main`` (the commands) and ``worker.cli.demo`` both use it
 without importing each other.
 """
 
@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
-from worker.jobs import JobPage, Progress
+from worker.store.jobs import JobPage, Progress
 
 
 def print_event(event: StreamEvent, *, as_json: bool) -> None:

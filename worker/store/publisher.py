@@ -33,14 +33,14 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
-from worker.accumulator import Delta
-from worker.batch import BatchSender, Command
-from worker.cluster_batch import default_sender
-from worker.records import ALREADY, NOT_YET, STALE, WRITTEN, Records, dumps
-from worker.redis_client import RedisClient
-from worker.replication import Replication
+from worker.aio import cancel_and_wait
+from worker.protocol.accumulator import Delta
 from worker.retry import REDIS_WAIT, pause
-from worker.tasks import cancel_and_wait
+from worker.store.batch import BatchSender, Command
+from worker.store.cluster_batch import default_sender
+from worker.store.records import ALREADY, NOT_YET, STALE, WRITTEN, Records, dumps
+from worker.store.redis_client import RedisClient
+from worker.store.replication import Replication
 
 log = logging.getLogger("chatstream.publisher")
 

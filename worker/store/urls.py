@@ -1,8 +1,8 @@
 """URLs: the forms of ``CHATSTREAM_REDIS_URL`` taken apart, and URLs shown without secrets.
 
 Pure (no I/O): settings validate ``CHATSTREAM_REDIS_URL`` with :func:`parse_redis_url`, and
-``worker.redis_client`` builds clients from what it returns. The forms are described in
-``worker.redis_client`` and docs/configuration.md.
+``worker.store.redis_client`` builds clients from what it returns. The forms are described in
+``worker.store.redis_client`` and docs/configuration.md.
 """
 
 from __future__ import annotations

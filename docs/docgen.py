@@ -1,4 +1,4 @@
-"""Generate the reference parts of ``docs/`` from the code: ``python -m worker.docgen``.
+"""Generate the reference parts of ``docs/`` from the code: ``python docs/docgen.py``.
 
 Writes ``docs/schemas/*.json`` (JSON Schema of the models in ``schemas/``) and the
 generated sections of ``docs/configuration.md`` (one row per ``Settings`` field). A
@@ -199,7 +199,7 @@ def stale(root: Path = ROOT) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.docgen", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python docs/docgen.py", description=__doc__)
     parser.add_argument("--check", action="store_true", help="only report stale files")
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

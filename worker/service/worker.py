@@ -4,7 +4,7 @@ Slots: at most ``concurrency`` jobs run at once, each an asyncio task holding a 
 waiting for an upstream that is down gives its slot back meanwhile (up to ``max_waiting``
 such jobs). The consumer only reads as many queue entries as there are free slots, taking
 over the entries of dead workers first. A heartbeat task writes this worker's heartbeat
-and finds workers whose heartbeat stopped (``worker/liveness.py``); their entries are taken
+and finds workers whose heartbeat stopped (``worker/store/liveness.py``); their entries are taken
 over at once. A maintenance task renews the leases of running jobs, adopts entries
 delivered but never seen, polls cancel flags (a fallback for the pub/sub cancel message)
 and refreshes the queue gauges. Signals are captured in :func:`serve` only.
@@ -31,20 +31,20 @@ from redis.exceptions import RedisError
 
 from schemas.jobs import TERMINAL
 from worker import logs
-from worker.keys import Keys
-from worker.liveness import Liveness
-from worker.metrics import Metrics, MetricsServer
-from worker.pipeline import JobRun, Outcome, Services, log_failure, run_job
-from worker.publisher import Publisher
-from worker.queue import Entry, Queue
-from worker.records import Records, Started, as_text
-from worker.redis_client import RedisClient
-from worker.replication import Replication
+from worker.aio import cancel_and_wait
 from worker.retry import REDIS_WAIT, often_enough, pause, retry_redis
-from worker.runtime import default_upstream_unset, startup_summary
+from worker.service.metrics import Metrics, MetricsServer
+from worker.service.pipeline import JobRun, Outcome, Services, log_failure, run_job
+from worker.service.runtime import default_upstream_unset, startup_summary
 from worker.settings import Settings
-from worker.tasks import cancel_and_wait
-from worker.upstream import UpstreamClient
+from worker.store.keys import Keys
+from worker.store.liveness import Liveness
+from worker.store.publisher import Publisher
+from worker.store.queue import Entry, Queue
+from worker.store.records import Records, Started, as_text
+from worker.store.redis_client import RedisClient
+from worker.store.replication import Replication
+from worker.upstream.client import UpstreamClient
 
 log = logging.getLogger("chatstream.worker")
 TERMINAL_STATUSES = frozenset(status.value for status in TERMINAL)

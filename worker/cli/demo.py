@@ -13,12 +13,12 @@ import asyncio
 import sys
 from contextlib import AsyncExitStack
 
+from worker.aio import cancel_and_wait
+from worker.cli.output import print_event, print_record
 from worker.client import Client
-from worker.output import print_event, print_record
-from worker.redis_client import RedisClient, connect
-from worker.runner import Worker
+from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.tasks import cancel_and_wait
+from worker.store.redis_client import RedisClient, connect
 
 DEMO_REPLY = (
     "A durable token stream keeps every piece of a model's reply in Redis as it arrives. "
@@ -40,7 +40,7 @@ async def run_demo(
         consume = asyncio.create_task(worker.consume())
         try:
             if gateway:
-                from worker.gateway.demo import through_gateway
+                from worker.cli.gateway_demo import through_gateway
 
                 return await through_gateway(stack, settings, redis, message)
             return await _stream_one(Client.from_settings(settings, redis), message)
@@ -68,7 +68,7 @@ async def _upstream(
 ) -> Settings:
     if "upstream_url" in settings.model_fields_set or settings.upstreams:
         return settings
-    from worker.mock_upstream import serve_mock
+    from worker.testing.mock_upstream import serve_mock
 
     url = await stack.enter_async_context(
         serve_mock(host="127.0.0.1", port=0, tokens=tokens, rate=rate, words=DEMO_REPLY)

@@ -11,11 +11,11 @@ What it does, HTTP/1.1 only: keep-alive pooling (``httpx.Limits``: connections i
 idle ones kept, their expiry), TLS (httpx's own SSL context, so ``SSL_CERT_FILE`` /
 ``SSL_CERT_DIR`` are honoured), httpx's four timeouts (connect, read, write, pool), flow
 control of large bodies, and httpx's exception types, each chained to the ``OSError`` /
-``ssl.SSLError`` behind it so ``worker.upstream`` tells failures apart as before. The read
+``ssl.SSLError`` behind it so ``worker.upstream.client`` tells failures apart as before. The read
 timeout costs no timer per read: a read that must wait records when it began, and one
 sweep per transport (every tenth of the read timeout, only while connections are in use)
 fails the reads that have waited the whole timeout. Proxies are not spoken here:
-``worker.upstream`` uses httpx's own transport when the environment configures one.
+``worker.upstream.client`` uses httpx's own transport when the environment configures one.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from worker.keys import GROUP, Keys
-from worker.records import as_text
-from worker.redis_client import RedisClient
+from worker.store.keys import GROUP, Keys
+from worker.store.records import as_text
+from worker.store.redis_client import RedisClient
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,6 @@ from schemas.events import EventType
 from schemas.jobs import EXTRAS, JSON_FIELDS, OUTPUT_FIELDS, JobStatus
 from schemas.requests import ChatRequest
 from worker import logs
-from worker.accumulator import Accumulator, FinalMessage
 from worker.errors import (
     ChatstreamError,
     InvalidJobError,
@@ -38,13 +37,14 @@ from worker.errors import (
     UpstreamTimeoutError,
     retryable,
 )
-from worker.gate import IdleSlot, keep_slot
-from worker.metrics import JobTiming, Metrics
-from worker.publisher import JobStream, Publisher, Terminal
-from worker.records import Records, dumps
+from worker.protocol.accumulator import Accumulator, FinalMessage
+from worker.protocol.sse import SSEDecoder
+from worker.service.metrics import JobTiming, Metrics
 from worker.settings import Settings
-from worker.sse import SSEDecoder
-from worker.upstream import UpstreamClient
+from worker.store.publisher import JobStream, Publisher, Terminal
+from worker.store.records import Records, dumps
+from worker.upstream.client import UpstreamClient
+from worker.upstream.gate import IdleSlot, keep_slot
 
 log = logging.getLogger("chatstream.pipeline")
 

@@ -26,10 +26,10 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from worker.keys import GROUP, Keys
-from worker.records import as_text, dumps
-from worker.redis_client import RedisClient, stream_replies
-from worker.tasks import cancel_and_wait
+from worker.aio import cancel_and_wait
+from worker.store.keys import GROUP, Keys
+from worker.store.records import as_text, dumps
+from worker.store.redis_client import RedisClient, stream_replies
 
 log = logging.getLogger("chatstream.queue")
 

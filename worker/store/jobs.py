@@ -21,9 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from worker.keys import Keys
-from worker.records import as_text
-from worker.redis_client import RedisClient
+from worker.store.keys import Keys
+from worker.store.records import as_text
+from worker.store.redis_client import RedisClient
 
 # KEYS: index. ARGV: score (enqueue time), job id, retention seconds, most entries kept.
 INDEX_ADD = """

@@ -52,10 +52,10 @@ from redis.exceptions import RedisError
 
 from schemas.jobs import TERMINAL
 from worker.errors import ChatstreamError, ProtocolError, UpstreamError
-from worker.keys import Keys
-from worker.redis_client import RedisClient
-from worker.runtime import redis_location
-from worker.stats import QueueCounts, queue_counts
+from worker.service.runtime import redis_location
+from worker.store.keys import Keys
+from worker.store.redis_client import RedisClient
+from worker.store.stats import QueueCounts, queue_counts
 
 if TYPE_CHECKING:
     from worker.embedded_server import EmbeddedServer

@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
-from worker.redis_client import RedisClient, is_fake
 from worker.settings import DEFAULT_UPSTREAM, Settings
 from worker.speedups import chosen_transport
-from worker.urls import parse_redis_url, redacted_url
+from worker.store.redis_client import RedisClient, is_fake
+from worker.store.urls import parse_redis_url, redacted_url
 
 
 def redis_location(redis: RedisClient) -> str:
@@ -70,7 +70,7 @@ def _parser_name(redis: RedisClient) -> str:
 
 def _redis_description(settings: Settings, redis: RedisClient) -> str:
     """Where Redis is, as configured: ``[kind ][user@]nodes[ service=...] tls=...``; a
-    one-server URL that :func:`worker.redis_client.connect` found to be a cluster node is
+    one-server URL that :func:`worker.store.redis_client.connect` found to be a cluster node is
     described as the cluster it is."""
     parsed = parse_redis_url(settings.redis_url)
     url = urlsplit(parsed.url)

@@ -26,11 +26,11 @@ from redis.exceptions import RedisError
 
 from schemas.jobs import JobRecord, JobStatus
 from worker import logs, speedups
+from worker.cli.output import print_event, print_jobs, print_record
 from worker.client import Client, within
 from worker.errors import ChatstreamError
-from worker.output import print_event, print_jobs, print_record
 from worker.settings import Settings, load_settings
-from worker.urls import redacted_url
+from worker.store.urls import redacted_url
 
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 log = logging.getLogger("chatstream.cli")
@@ -105,15 +105,15 @@ async def connected(settings: Settings) -> AsyncIterator[Client]:
 
 
 async def worker_command(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.runner import serve
+    from worker.service.worker import serve
 
     if args.processes:
-        from worker.supervisor import supervise
+        from worker.service.supervisor import supervise
 
         return await supervise(settings, args.processes, concurrency=args.concurrency)
     if args.concurrency:
         settings = settings.model_copy(update={"concurrency": args.concurrency})
-    from worker.supervisor import watch_parent
+    from worker.service.supervisor import watch_parent
 
     watch = watch_parent()  # under a supervisor: stop gracefully should it die
     async with connected(settings) as client:
@@ -207,7 +207,7 @@ async def dead_command(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def stats_command(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.stats import collect, render
+    from worker.store.stats import collect, render
 
     async with connected(settings) as client:
         stats = await collect(client.redis, client.keys, live_window=settings.lease_seconds)
@@ -216,7 +216,7 @@ async def stats_command(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.mock_upstream import MockRequestError, check_fault, serve_mock
+    from worker.testing.mock_upstream import MockRequestError, check_fault, serve_mock
 
     try:
         check_fault(args.fault)
@@ -246,7 +246,7 @@ async def gateway_command(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.demo import run_demo
+    from worker.cli.demo import run_demo
 
     if "log_level" not in settings.model_fields_set:  # the reply is the demo's output
         logging.getLogger("chatstream").setLevel(logging.WARNING)
@@ -388,6 +388,3 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_mock_and_demo,
     _add_gateway,
 ]
-
-if __name__ == "__main__":
-    main()

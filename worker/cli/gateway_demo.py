@@ -17,8 +17,8 @@ import httpx
 from httpx_sse import EventSource
 from pydantic import SecretStr
 
-from worker.redis_client import RedisClient
 from worker.settings import Settings
+from worker.store.redis_client import RedisClient
 
 CUT_AFTER_EVENTS = 12
 

@@ -4,7 +4,7 @@ The only module that knows httpx: its exceptions are translated once, in
 ``_translate_httpx_errors``, into the ``worker.errors`` tree. Everything up to and including
 the first body byte is one try, retried with tenacity while it fails retryably (up to
 ``CHATSTREAM_RETRY_ATTEMPTS`` tries when set; by default until the job's timeout cancels
-it). Each upstream has a gate (``worker/gate.py``) that paces the tries while it is down:
+it). Each upstream has a gate (``worker/upstream/gate.py``) that paces the tries while it is down:
 one probe at a time after a jittered, capped backoff or the upstream's ``Retry-After``,
 the other jobs waiting without their slot. After the first byte nothing is retried here,
 because output may already have been published.
@@ -47,10 +47,10 @@ from worker.errors import (
     retryable,
     snippet,
 )
-from worker.gate import IdleSlot, UpstreamGate, keep_slot
 from worker.logs import RedactFilter, secrets_of
 from worker.settings import Settings, Upstream
 from worker.speedups import chosen_transport
+from worker.upstream.gate import IdleSlot, UpstreamGate, keep_slot
 
 logger = logging.getLogger("chatstream.upstream")
 
@@ -261,7 +261,7 @@ def _timeouts(settings: Settings) -> httpx.Timeout:
 
 
 def _new_http_client(settings: Settings, timeout: httpx.Timeout) -> httpx.AsyncClient:
-    """httpx's client, over ``worker.transport`` (httptools) when that is the chosen
+    """httpx's client, over ``worker.upstream.transport`` (httptools) when that is the chosen
     transport (about a third of the CPU per read of httpx's own; docs/decisions.md, 39),
     else over httpx's own (which also speaks to the environment's proxies)."""
     limits = httpx.Limits(
@@ -271,7 +271,7 @@ def _new_http_client(settings: Settings, timeout: httpx.Timeout) -> httpx.AsyncC
     )
     transport: httpx.AsyncBaseTransport | None = None
     if chosen_transport(settings) == "httptools":
-        from worker.transport import HttptoolsTransport
+        from worker.upstream.transport import HttptoolsTransport
 
         transport = HttptoolsTransport(limits=limits)
     return httpx.AsyncClient(

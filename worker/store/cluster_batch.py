@@ -2,9 +2,9 @@
 
 A batch is split by the master that serves each command's key slot (from redis-py's
 cluster client's slot map); every master's share goes out as one packed write on a
-connection of this sender's own (:class:`worker.batch.ConnectionSender`), all masters
+connection of this sender's own (:class:`worker.store.batch.ConnectionSender`), all masters
 concurrently, and the replies are put back in the batch's order. The contract is the one
-of ``worker.batch``: one reply per command; a refused command's reply is its exception.
+of ``worker.store.batch``: one reply per command; a refused command's reply is its exception.
 Here a master that cannot be reached, or answers late, refuses *its* commands (each gets
 the error as its reply) without failing the others' share, so the publisher resends only
 those, in order, on the job's next round trip.
@@ -14,7 +14,7 @@ command once more to the new owner; ``ASK`` (a slot being migrated) sends it to 
 importing node after ``ASKING``. A command still refused after that (``TRYAGAIN``, a master
 failing over) comes back as its error; a lost connection or ``CLUSTERDOWN`` also makes the
 next call reload the slot map first (at most every ``REFRESH_EVERY`` seconds). Every write
-the publisher sends is fenced and numbered (``worker.records``), so sending one twice, or
+the publisher sends is fenced and numbered (``worker.store.records``), so sending one twice, or
 to a master that lost it in a failover, cannot duplicate or reorder an entry.
 """
 
@@ -35,8 +35,8 @@ from redis.exceptions import (
     RedisError,
 )
 
-from worker.batch import BatchSender, Command, ConnectionSender, PipelineSender
-from worker.redis_client import RedisClient, is_fake, slot_of
+from worker.store.batch import BatchSender, Command, ConnectionSender, PipelineSender
+from worker.store.redis_client import RedisClient, is_fake, slot_of
 
 log = logging.getLogger("chatstream.publisher")
 

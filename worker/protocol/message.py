@@ -9,7 +9,7 @@ the last take (the delta to publish) and ``Message.final`` the whole (the record
 publisher coalescing deltas and a consumer rebuilding the reply apply the same rules.
 
 Text is kept as parts (:class:`_Parts`), joined once when rendered; a part may hold half of
-a UTF-16 surrogate pair (a chunk read leniently, see ``worker/accumulator.py``), which the
+a UTF-16 surrogate pair (a chunk read leniently, see ``worker/protocol/accumulator.py``), which the
 join pairs with its other half or turns into U+FFFD.
 """
 

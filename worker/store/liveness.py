@@ -26,9 +26,9 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from worker.keys import Keys
-from worker.records import as_text
-from worker.redis_client import RedisClient
+from worker.store.keys import Keys
+from worker.store.records import as_text
+from worker.store.redis_client import RedisClient
 
 log = logging.getLogger("chatstream.worker")
 

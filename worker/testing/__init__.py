@@ -1,0 +1,6 @@
+"""Tools for tests, the demo and the benchmarks: public, as users' own tests want them.
+
+=================== ==================================================================
+``mock_upstream``   ``MockUpstream``: an OpenAI-compatible fake streaming server
+=================== ==================================================================
+"""

@@ -1,0 +1,9 @@
+"""The streaming call to an OpenAI-compatible ``/v1/chat/completions`` endpoint.
+
+=============== ======================================================================
+``client``      ``UpstreamClient``: the request, retries before the first byte, error
+                mapping, the byte stream of the reply
+``transport``   the httpx transport under it: httptools (llhttp) on asyncio protocols
+``gate``        an upstream's health: while it is down, one probe at a time
+=============== ======================================================================
+"""
