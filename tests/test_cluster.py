@@ -188,7 +188,7 @@ async def test_a_dead_workers_jobs_are_taken_over_on_every_shard(on_cluster: Har
     taken, emptied = await h.worker.queue.take_over("dead-worker", 100)
     assert emptied and len(taken) == 9
     for entry in taken:
-        h.worker._launch(entry)
+        h.worker.launch(entry)
     await eventually(lambda: queue_is_drained(h.redis, h.worker.keys))
     assert {(await h.client.get(job_id)).status for job_id in ids} == {JobStatus.SUCCEEDED}
 

@@ -15,7 +15,8 @@ from redis.asyncio import Redis
 from tests.conftest import chat, free_port
 from tests.support import silent_server
 from worker.client import Client
-from worker.service.metrics import JobTiming, Metrics, MetricsServer
+from worker.service.health import MetricsServer
+from worker.service.metrics import JobTiming, Metrics
 from worker.service.worker import Worker
 from worker.settings import Settings, Upstream
 from worker.store.queue import Queue

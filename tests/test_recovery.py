@@ -43,7 +43,8 @@ from tests.support import (
 from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.protocol.accumulator import Delta
-from worker.service.worker import Running, Worker
+from worker.service.entries import HeldEntry
+from worker.service.worker import Worker
 from worker.settings import Settings
 from worker.store.batch import PipelineSender
 from worker.store.keys import GROUP, Keys
@@ -97,8 +98,8 @@ async def test_a_job_outliving_its_lease_on_a_live_worker_runs_once(
         async def nothing(*args: Any) -> list[Any]:
             return []
 
-        monkeypatch.setattr(first, "_renew_leases", nothing)
-        monkeypatch.setattr(first, "_adopt_stranded", nothing)
+        monkeypatch.setattr(first.upkeep, "renew_leases", nothing)
+        monkeypatch.setattr(first.upkeep, "adopt_stranded", nothing)
         monkeypatch.setattr(first.queue, "reclaim", nothing)
     request = chat("slow", tokens=30, rate=10, key="slow")  # about 3 s
     job_id = await client.enqueue(request)
@@ -554,7 +555,7 @@ async def test_an_exhausted_job_is_dead_lettered_even_if_the_first_reply_was_los
     retried = await records.start(job_id, "w", 1, "1-1")
     assert (retried.state, retried.dead_pending) == ("terminal", True)
     worker = Worker(settings, redis)
-    await worker._dead_letter(job_id, retried.attempt)
+    await worker.fate.dead_letter(job_id, retried.attempt)
     again = await records.start(job_id, "w", 1, "1-1")
     assert (again.state, again.dead_pending) == ("terminal", False)
     assert await redis.xlen(keys.dead) == 1
@@ -823,10 +824,10 @@ async def test_a_renewal_that_misses_an_entry_its_own_task_just_acked_loses_noth
     await harness.client.enqueue(chat("renewed"))
     [entry] = await worker.queue.read(1, None)
     task = asyncio.create_task(asyncio.sleep(30))
-    worker.running[entry.ref] = Running(entry, task, claimed=True, settling=settling)
+    worker.running[entry.ref] = HeldEntry(entry, task, claimed=True, settling=settling)
     try:
         assert await worker.queue.ack(entry)
-        await worker._renew_leases()
+        await worker.upkeep.renew_leases()
         assert worker.running[entry.ref].lost is not settling
         await asyncio.sleep(0)
         assert task.cancelled() is not settling

@@ -107,7 +107,7 @@ async def test_a_dead_workers_entries_on_every_shard_are_taken_over(sharded: Har
     taken, emptied = await sharded.worker.queue.take_over("dead-worker", 100)
     assert emptied and sorted(e.job_id or "" for e in taken) == sorted(ids)
     for entry in taken:
-        sharded.worker._launch(entry)
+        sharded.worker.launch(entry)
     await eventually(lambda: queue_is_drained(sharded.redis, keys))
     assert {(await sharded.client.get(job_id)).status for job_id in ids} == {"succeeded"}
 

@@ -2,8 +2,15 @@
 
 =============== ======================================================================
 ``worker``      ``Worker``: startup, consuming into slots, graceful shutdown; ``serve``
+``slots``       at most ``concurrency`` jobs at once; a job waiting for a down upstream
+                gives its slot back meanwhile
+``entries``     ``HeldEntry`` and ``EntryFate``: what becomes of a queue entry once its
+                attempt is over (acked, left to a newer delivery, requeued)
+``upkeep``      heartbeats and taking over dead workers' entries, lease renewal,
+                stranded entries, cancel requests
 ``pipeline``    ``run_job()``: one attempt's whole data flow, top to bottom
 ``metrics``     Prometheus metrics
+``health``      ``/metrics``, ``/healthz``, ``/readyz`` on ``CHATSTREAM_METRICS_PORT``
 ``runtime``     the start-up line: configuration without secrets, loop, parser
 ``supervisor``  ``chatstream worker --processes N``: restarts crashed workers
 =============== ======================================================================

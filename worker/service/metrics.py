@@ -1,19 +1,13 @@
-"""Prometheus metrics and the health endpoints: one small HTTP server per worker process.
+"""Prometheus metrics of one worker: counters, histograms and gauges in its own registry.
 
-    GET /metrics   the worker's registry (Prometheus text, or OpenMetrics when asked)
-    GET /healthz   200 while the process's event loop answers
-    GET /readyz    200 when Redis answers PING, the event loop is not lagging, the worker can
-                   read its queue and is not shutting down; else 503 with
-                   {"ready": false, "reason": ...}
-
-Served by uvicorn inside the worker's event loop on ``settings.metrics_port`` (``None``:
-off, ``0``: a free port). Each :class:`Worker` has its own ``CollectorRegistry``, so
-several workers in one process never clash.
+Served on ``/metrics`` by the worker's health server (``worker/service/health.py``). Each
+:class:`Worker` has its own ``CollectorRegistry``, so several workers in one process never
+clash.
 
 Hot-path cost: observations are per job (at its end), per publish batch, per retry and
 per queue read, never per delta (the pipeline only counts deltas in :class:`JobTiming`).
 The queue gauges are read by the maintenance loop in one pipelined round trip and served
-from memory; in-flight is read from the runner at scrape time.
+from memory; in-flight is read from the worker at scrape time.
 
 Metrics (all prefixed ``chatstream_``): ``jobs_total{status}``, ``jobs_in_flight``,
 ``queue_depth``, ``queue_pending``, ``dead_letters``, ``queue_wait_seconds``,
@@ -30,14 +24,10 @@ first ``max_models`` model names a worker saw (later ones count as ``other``).
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -45,30 +35,14 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    make_asgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from redis.exceptions import RedisError
 
 from schemas.jobs import TERMINAL
 from worker.errors import ChatstreamError, ProtocolError, UpstreamError
-from worker.service.runtime import redis_location
 from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
 from worker.store.stats import QueueCounts, queue_counts
-
-if TYPE_CHECKING:
-    from worker.embedded_server import EmbeddedServer
-
-log = logging.getLogger("chatstream.metrics")
-
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-LAG_INTERVAL = 0.5  # seconds between event-loop lag samples
-MAX_LAG = 1.0  # a loop that lagged longer than this is not ready
-PING_TIMEOUT = 1.0
 
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 FIRST_TOKEN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60)
@@ -355,112 +329,9 @@ class Metrics:
 # -- the HTTP server ----------------------------------------------------------------------
 
 
-class MetricsServer:
-    """``/metrics``, ``/healthz`` and ``/readyz`` for one worker (an ASGI app and its server)."""
-
-    def __init__(
-        self,
-        metrics: Metrics,
-        redis: RedisClient,
-        stopping: asyncio.Event,
-        cannot_consume: Callable[[], str | None] = lambda: None,
-    ) -> None:
-        self.metrics = metrics
-        self.redis = redis
-        self.stopping = stopping
-        self.cannot_consume = cannot_consume  # why the worker cannot read its queue, or None
-        self.lag = 0.0
-        self.port = 0
-        self._metrics_app = make_asgi_app(metrics.registry)
-        self._server: EmbeddedServer | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._socket: socket.socket | None = None
-
-    async def start(self, host: str, port: int) -> None:
-        import uvicorn
-
-        from worker.embedded_server import EmbeddedServer, bind
-
-        sock = bind(host, port, what="the metrics server (CHATSTREAM_METRICS_PORT)")
-        config = uvicorn.Config(
-            self, log_config=None, log_level="warning", access_log=False, lifespan="off"
-        )
-        server = EmbeddedServer(config)
-        try:
-            serving = await server.start(sock)
-        except BaseException:
-            sock.close()
-            raise
-        self._server, self._socket = server, sock
-        self.port = sock.getsockname()[1]
-        self._tasks = [serving, asyncio.create_task(self._watch_loop(), name="chatstream-lag")]
-        log.info("metrics and health on http://%s:%d/metrics", host, self.port)
-
-    async def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.stop_requested.set()
-        self._tasks[1].cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._socket is not None:
-            self._socket.close()
-        self._server = None
-
-    async def _watch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            began = loop.time()
-            await asyncio.sleep(LAG_INTERVAL)
-            self.lag = max(loop.time() - began - LAG_INTERVAL, 0.0)
-            self.metrics.loop_lag.set(self.lag)
-
-    async def not_ready(self) -> str | None:
-        """Why the worker should get no traffic now, or None when it is ready."""
-        if self.stopping.is_set():
-            return "shutting down"
-        if self.lag > MAX_LAG:
-            return f"event loop lagging ({self.lag:.2f}s)"
-        try:
-            async with asyncio.timeout(PING_TIMEOUT):
-                await self.redis.ping()
-        except TimeoutError:
-            where = redis_location(self.redis)
-            return f"redis at {where} did not answer PING within {PING_TIMEOUT:g}s"
-        except (RedisError, OSError) as exc:
-            reason = str(exc)[:200] or "no detail"
-            return (
-                f"redis at {redis_location(self.redis)} unreachable: {type(exc).__name__}: {reason}"
-            )
-        if (problem := self.cannot_consume()) is not None:
-            return f"cannot read the queue: {problem[:200]}"
-        return None
-
-    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        path = scope["path"]
-        if path == "/metrics":
-            await self._metrics_app(scope, receive, send)
-        elif path == "/healthz":
-            await _send_json(send, 200, {"status": "ok", "loop_lag_seconds": self.lag})
-        elif path == "/readyz":
-            reason = await self.not_ready()
-            body = {"ready": True} if reason is None else {"ready": False, "reason": reason}
-            await _send_json(send, 200 if reason is None else 503, body)
-        else:
-            await _send_json(send, 404, {"error": f"no route {path}"})
-
-
 def _upstream_of(exc: BaseException) -> str | None:
     return exc.upstream if isinstance(exc, UpstreamError) else None
 
 
 def _status_of(exc: BaseException) -> int | None:
     return exc.status if isinstance(exc, UpstreamError) else None
-
-
-async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
-    payload = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})

@@ -64,8 +64,8 @@ class Outcome(Enum):
 
 
 @dataclass(slots=True)
-class JobRun:
-    """A started attempt, as the runner tracks it."""
+class Attempt:
+    """A started attempt of a job, as the worker tracks it."""
 
     job_id: str
     attempt: int
@@ -91,7 +91,7 @@ class Services:
     metrics: Metrics = field(default_factory=Metrics)
 
 
-async def run_job(services: Services, job: JobRun) -> Outcome:
+async def run_job(services: Services, job: Attempt) -> Outcome:
     """Run one attempt to its terminal write; never raises for anything the job did."""
     final: FinalMessage | None = None
     error: ChatstreamError | None = None
@@ -115,7 +115,7 @@ async def run_job(services: Services, job: JobRun) -> Outcome:
     return await write_terminal(services, job, final, error)
 
 
-def _timed_out(services: Services, job: JobRun) -> UpstreamTimeoutError:
+def _timed_out(services: Services, job: Attempt) -> UpstreamTimeoutError:
     """The job timeout's error, naming the upstream outage the job was waiting out."""
     message = f"job exceeded {services.settings.job_timeout:g}s"
     gate = services.upstream.gates.get(job.upstream)
@@ -135,7 +135,7 @@ def load_request(raw: str, max_bytes: int) -> dict[str, Any]:
 
 
 async def stream_with_retries(
-    services: Services, job: JobRun, body: dict[str, Any]
+    services: Services, job: Attempt, body: dict[str, Any]
 ) -> tuple[FinalMessage, ChatstreamError | None]:
     """Stream the reply; retry retryable failures the policy allows."""
     tries = 0
@@ -158,7 +158,7 @@ async def stream_with_retries(
 
 
 async def stream_once(
-    services: Services, job: JobRun, body: dict[str, Any], acc: Accumulator
+    services: Services, job: Attempt, body: dict[str, Any], acc: Accumulator
 ) -> None:
     limit = services.settings.max_event_bytes
     decoder = SSEDecoder(limit)
@@ -179,7 +179,7 @@ async def stream_once(
 
 
 def _fold_and_publish(
-    fields: Iterable[bytes], acc: Accumulator, publisher: Publisher, job: JobRun
+    fields: Iterable[bytes], acc: Accumulator, publisher: Publisher, job: Attempt
 ) -> None:
     """Fold the data of one read's events and publish what they added as one delta; what
     was folded before an invalid event is still published (the record and the stream
@@ -200,7 +200,7 @@ def _sliced(decoder: SSEDecoder, data: bytes, limit: int) -> Iterator[bytes]:
         yield from decoder.feed_data(data[start : start + limit])
 
 
-def retry_plan(settings: Settings, job: JobRun, exc: ChatstreamError, tries: int) -> Retry:
+def retry_plan(settings: Settings, job: Attempt, exc: ChatstreamError, tries: int) -> Retry:
     """Whether (and how) a failed try is retried, by the policy of docs/failures.md."""
     if not retryable(exc) or tries >= settings.max_attempts:
         return Retry.NO
@@ -211,7 +211,7 @@ def retry_plan(settings: Settings, job: JobRun, exc: ChatstreamError, tries: int
     return Retry.NEW_ATTEMPT if settings.retry_after_output else Retry.NO
 
 
-async def start_next_attempt(services: Services, job: JobRun) -> bool:
+async def start_next_attempt(services: Services, job: Attempt) -> bool:
     """Start a new attempt of this job (its stream gets a ``reset``), only while the current
     one is still the job's; False when it is not (the attempt goes on to a refused write)."""
     settings = services.settings
@@ -233,7 +233,7 @@ def _has_output(stream: JobStream) -> bool:
 
 async def write_terminal(
     services: Services,
-    job: JobRun,
+    job: Attempt,
     final: FinalMessage | None,
     error: ChatstreamError | None,
     *,

@@ -364,6 +364,15 @@ class Records:
         args: list[str | int] = [f"{time.time():.6f}", self.retention]
         return as_text(await self._cancel(keys=self.job_keys(job_id), args=args))
 
+    async def cancel_requested(self, job_ids: list[str]) -> list[bool]:
+        """Whether a cancel was requested for each job (one pipelined round trip); the
+        fallback for a pub/sub cancel message a worker missed."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.keys.job(job_id), "cancel_requested")
+        flags = await pipe.execute()
+        return [flag is not None and as_text(flag) == "1" for flag in flags]
+
     async def fetch(self, job_id: str) -> dict[str, str]:
         raw: dict[Any, Any] = await self.redis.hgetall(self.keys.job(job_id))
         return {as_text(k): as_text(v) for k, v in raw.items()}
