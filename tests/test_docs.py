@@ -208,8 +208,12 @@ def documented_record_fields() -> set[str]:
 
 
 def fields_written_by_the_code() -> set[str]:
-    """Record field names in the Lua scripts and the Python writes of worker/store/records.py."""
-    source = (ROOT / "worker" / "store" / "records.py").read_text()
+    """Record field names in the record scripts (worker/store/lua/records/) and the Python
+    writes of worker/store/records.py."""
+    store = ROOT / "worker" / "store"
+    scripts = sorted((store / "lua" / "records").glob("*.lua"))
+    assert len(scripts) >= 9, scripts
+    source = "\n".join(p.read_text() for p in [store / "records.py", *scripts])
     fields: set[str] = set()
     script_call = r"redis\.call\('(H(?:SET|DEL|INCRBY|MGET|GET))',\s*KEYS\[1\],([^)]*)\)"
     for command, call in re.findall(script_call, source):

@@ -21,19 +21,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from worker.store import lua
 from worker.store.keys import Keys
 from worker.store.records import as_text
 from worker.store.redis_client import RedisClient
 
-# KEYS: index. ARGV: score (enqueue time), job id, retention seconds, most entries kept.
-INDEX_ADD = """
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (tonumber(ARGV[1]) - tonumber(ARGV[3])))
-local extra = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[4])
-if extra > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, extra - 1) end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
+INDEX_ADD = lua.script("jobs/index_add")
 
 SUMMARY_FIELDS = (
     "status",

@@ -26,6 +26,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from worker.store import lua
 from worker.store.keys import Keys
 from worker.store.records import as_text
 from worker.store.redis_client import RedisClient
@@ -34,27 +35,10 @@ log = logging.getLogger("chatstream.worker")
 
 MAX_DEAD = 100  # dead workers reported per heartbeat
 
-# KEYS: workers. ARGV: name, timeout seconds, max dead. Returns {fresh (1: we were not in
-# the set), names of the workers whose heartbeat is older than the timeout}.
-BEAT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local fresh = redis.call('ZADD', KEYS[1], now, ARGV[1])
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[2])),
-  'LIMIT', 0, tonumber(ARGV[3]))
-return {fresh, dead}
-"""
+BEAT = lua.script("liveness/beat")
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
-# KEYS: workers. ARGV: name, timeout seconds. Forgets a dead worker, unless it beat since.
-FORGET = """
-local t = redis.call('TIME')
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if score and tonumber(score) < tonumber(t[1]) - tonumber(ARGV[2]) then
-  return redis.call('ZREM', KEYS[1], ARGV[1])
-end
-return 0
-"""
+FORGET = lua.script("liveness/forget")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from worker.aio import cancel_and_wait
+from worker.store import lua
 from worker.store.keys import GROUP, Keys
 from worker.store.records import as_text, dumps
 from worker.store.redis_client import RedisClient, stream_replies
@@ -36,78 +37,17 @@ log = logging.getLogger("chatstream.queue")
 # Scripts read the pending list with redis.pcall: without the group (Redis restarted empty)
 # no entry is anybody's, which is what they answer instead of failing.
 
-# KEYS: queue. ARGV: group, consumer, entry ids... Renews only the entries still ours.
-RENEW = """
-local lost = {}
-for i = 3, #ARGV do
-  local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if not p.err and p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-"""
+RENEW = lua.script("queue/renew")
 
-# KEYS: queue. ARGV: group, consumer, entry id, job id ('' = ack only).
-# Acks (and deletes) the entry if this consumer still owns it; with a job id, a fresh entry
-# for the job replaces it. Returns the new entry id, 1 (acked), or 0 (not ours: no-op).
-SETTLE = """
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if p.err or not (p[1] and p[1][2] == ARGV[2]) then return 0 end
-local fresh = 1
-if ARGV[4] ~= '' then fresh = redis.call('XADD', KEYS[1], '*', 'job', ARGV[4]) end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
-return fresh
-"""
+SETTLE = lua.script("queue/settle")
 
-# KEYS: queue. ARGV: group, consumer, entry id, lease ms. Before a start: the entry is still
-# ours and its delivery (or our last renewal) is younger than the lease. Renews it and
-# returns its delivery count (the start's fencing token); 0 when it may not start.
-CLAIM_FOR_START = """
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if p.err or not (p[1] and p[1][2] == ARGV[2]) then return 0 end
-if p[1][3] >= tonumber(ARGV[4]) then return 0 end
-redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
-return p[1][4]
-"""
+CLAIM_FOR_START = lua.script("queue/claim_for_start")
 
-# KEYS: queue. ARGV: group, consumer, dead consumer, count. Claims up to count entries of a
-# consumer whose heartbeat stopped (their delivery counts go up: a takeover). Returns
-# {entries, 1 if the dead consumer holds nothing more}.
-TAKE_OVER = """
-local rows = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[3])
-if rows.err or #rows == 0 then return {{}, 1} end
-local ids = {}
-for i, row in ipairs(rows) do ids[i] = row[1] end
-local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(ids))
-local left = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[3])
-return {claimed, #left == 0 and 1 or 0}
-"""
+TAKE_OVER = lua.script("queue/take_over")
 
-# KEYS: queue. ARGV: group, consumer. Removes the consumer if it holds no entries.
-LEAVE = """
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
-if p.err or p[1] then return 0 end
-return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-"""
+LEAVE = lua.script("queue/leave")
 
-# KEYS: queue. ARGV: group, idle ms, own name. Removes consumers that hold no entries and
-# have not read for idle ms: workers that died (their entries were taken over).
-PRUNE = """
-local removed = 0
-for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
-  local f = {}
-  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
-  if f['pending'] == 0 and f['idle'] > tonumber(ARGV[2]) and f['name'] ~= ARGV[3] then
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], f['name'])
-    removed = removed + 1
-  end
-end
-return removed
-"""
+PRUNE = lua.script("queue/prune")
 
 
 @dataclass(frozen=True, slots=True)

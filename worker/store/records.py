@@ -18,200 +18,33 @@ from typing import Any
 from redis.commands.core import AsyncScript
 
 from schemas.jobs import OUTPUT_FIELDS
+from worker.store import lua
 from worker.store.batch import Command
 from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
 
 JSONish = dict[str, Any]
 
-# KEYS: record, events. ARGV: field/value pairs of the new record, retention.
-CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return redis.call('HGET', KEYS[1], 'queue_entry') and 'exists' or 'unqueued'
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 'created'
-"""
+CREATE = lua.script("records/create")
 
-# KEYS: record, events. ARGV: worker, now, max_attempts, retention, queue entry ('' = the
-# attempt does not come from a queue entry: no duplicate check, the entry field is kept),
-# delivery (the entry's delivery count; '' = unknown), start token (unique per call: the same
-# call retried after a lost reply starts nothing new), restart of (an attempt number: a new
-# attempt of the caller's own run, only while that attempt is current; '' otherwise).
-# Attempts count against max_attempts since the last requeue (budget_base), minus releases.
-# A start from the entry the job runs under is a takeover only with a newer delivery: an
-# older one (a reply a frozen worker reads late) is 'superseded' and starts nothing.
-START = """
-local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'request', 'upstream',
-  'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested', 'delivery')
-if not cur[1] and redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
-local known = {queued=true, running=true, succeeded=true, failed=true, cancelled=true}
-if not known[cur[1] or ''] or not tonumber(cur[2] or '0') then
-  -- written by another producer, not by the enqueue contract: fail it, saying why
-  local problem = cur[1] and ('status ' .. string.sub(cur[1], 1, 40) .. ' is not one of ' ..
-    'queued, running, succeeded, failed, cancelled') or 'no status field'
-  if known[cur[1] or ''] then problem = 'attempt is not a number' end
-  local err = cjson.encode({code='invalid_job',
-    message='malformed record: ' .. problem .. ' (see docs/producers.md)'})
-  local attempt = tonumber(cur[2] or '0') or 0
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'attempt', attempt, 'error', err,
-    'finished_at', ARGV[2])
-  redis.call('XADD', KEYS[2], '*', 'type', 'error', 'attempt', tostring(attempt),
-    'data', cjson.encode({error=cjson.decode(err)}))
-  redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
-  return {'invalid', attempt, '', cur[5] or 'default', err}
-end
-local attempt = tonumber(cur[2] or '0')
-if cur[1] == 'running' and cur[9] == ARGV[7] then
-  return {'started', attempt, cur[4] or '', cur[5] or 'default'}
-end
-if cur[1] ~= 'queued' and cur[1] ~= 'running' then
-  return {'terminal', attempt, cur[8] or ''}
-end
-if cur[1] == 'queued' and cur[10] == '1' then
-  -- cancelled while its attempt was being handed back (shutdown): it never restarts
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[2])
-  redis.call('XADD', KEYS[2], '*', 'type', 'cancelled', 'attempt', tostring(attempt),
-    'data', '{}')
-  redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
-  return {'terminal', attempt, ''}
-end
-if ARGV[8] ~= '' then
-  if cur[1] ~= 'running' or tostring(attempt) ~= ARGV[8] then return {'superseded', attempt} end
-elseif ARGV[5] ~= '' and cur[6] == ARGV[5] then
-  if ARGV[6] ~= '' and tonumber(ARGV[6]) <= tonumber(cur[11] or '0') then
-    return {'superseded', attempt}
-  end
-elseif ARGV[5] ~= '' and cur[1] == 'running' and cur[6] then
-  return {'busy', attempt}
-end
-attempt = attempt + 1
-local used = attempt - tonumber(cur[3] or '0') - tonumber(cur[7] or '0')
-if used > tonumber(ARGV[3]) then
-  local err = cjson.encode({code='attempts_exhausted',
-    message='the job was started ' .. (used - 1) .. ' times without finishing'})
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'error', err, 'finished_at', ARGV[2],
-    'dead_pending', '1')
-  redis.call('XADD', KEYS[2], '*', 'type', 'error', 'attempt', tostring(attempt - 1),
-    'data', cjson.encode({error=cjson.decode(err)}))
-  redis.call('EXPIRE', KEYS[1], ARGV[4]); redis.call('EXPIRE', KEYS[2], ARGV[4])
-  return {'exhausted', attempt - 1, '1', cur[5] or 'default', err}
-end
-redis.call('HSET', KEYS[1], 'status', 'running', 'attempt', attempt, 'worker', ARGV[1],
-  'started_at', ARGV[2], 'seq', 0, 'start_token', ARGV[7])
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'entry', ARGV[5]) end
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'delivery', ARGV[6]) end
-if attempt > 1 then
-  redis.call('XADD', KEYS[2], '*', 'type', 'reset', 'attempt', tostring(attempt),
-    'data', cjson.encode({reason='attempt ' .. attempt .. ' starts; earlier deltas are void'}))
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-end
-return {'started', attempt, cur[4] or '', cur[5] or 'default'}
-"""
+START = lua.script("records/start")
 
 # Results of DELTA and FINISH, as the publisher reads them.
 WRITTEN, ALREADY, STALE, NOT_YET = 1, 0, -1, -2
 
-# KEYS: record, events. ARGV: attempt, seq, data, retention.
-# Entries land in sequence order and never twice: 1 written; 0 this number was written before
-# (a retry after a lost reply); -1 stale (not the current running attempt, or no record);
-# -2 not yet (an earlier number is not written: the caller sends it again, then this one).
-DELTA = """
-local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status', 'seq')
-if cur[1] ~= ARGV[1] or cur[2] ~= 'running' then return -1 end
-local last, seq = tonumber(cur[3] or '0'), tonumber(ARGV[2])
-if seq <= last then return 0 end
-if seq > last + 1 then return -2 end
-redis.call('XADD', KEYS[2], '*', 'type', 'delta', 'attempt', ARGV[1], 'data', ARGV[3])
-redis.call('HSET', KEYS[1], 'seq', ARGV[2])
-if ARGV[2] == '1' then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
-return 1
-"""
+DELTA = lua.script("records/delta")
 
-# KEYS: record, events. ARGV: attempt, last seq, event type, event data, retention,
-# field/value pairs. The terminal write lands only after the attempt's last delta entry:
-# 1 written; 0 the job is already terminal (a retried write found its first one applied);
-# -1 stale; -2 not yet (a delta entry is missing: the caller sends it again first).
-FINISH = """
-local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status', 'seq')
-if cur[1] ~= ARGV[1] then return -1 end
-if cur[2] ~= 'running' then return (cur[2] == 'queued') and -1 or 0 end
-if tonumber(cur[3] or '0') < tonumber(ARGV[2]) then return -2 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
-redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'attempt', ARGV[1], 'data', ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5]); redis.call('EXPIRE', KEYS[2], ARGV[5])
-return 1
-"""
+FINISH = lua.script("records/finish")
 
-# KEYS: record. ARGV: attempt. Gives a running attempt back to the queue (shutdown).
-# Idempotent: a retry after a lost reply finds the job queued at the same attempt.
-RELEASE = """
-local cur = redis.call('HMGET', KEYS[1], 'attempt', 'status')
-if cur[1] ~= ARGV[1] then return 0 end
-if cur[2] == 'queued' then return 1 end
-if cur[2] ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '')
-redis.call('HINCRBY', KEYS[1], 'releases', 1)
-return 1
-"""
+RELEASE = lua.script("records/release")
 
-# KEYS: record. ARGV: queue entry. Releases the attempt that runs under a queue entry this
-# worker holds but no longer runs (a task that died, a start cut short by shutdown).
-HANDBACK = """
-local cur = redis.call('HMGET', KEYS[1], 'status', 'entry')
-if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '')
-redis.call('HINCRBY', KEYS[1], 'releases', 1)
-return 1
-"""
+HANDBACK = lua.script("records/handback")
 
-# KEYS: record. ARGV: attempt. After Redis lost writes of this attempt it had confirmed (a
-# failover to a replica that lacked them), the record is behind: back to queued, with the
-# attempt counter at least this attempt (so its writes stay fenced), this attempt not
-# counted. 'queued'; 'newer' when a later attempt started since; else the status it has.
-ROLLED_BACK = """
-local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt')
-if not cur[1] then return 'missing' end
-if (tonumber(cur[2]) or 0) > tonumber(ARGV[1]) then return 'newer' end
-if cur[1] ~= 'running' and cur[1] ~= 'queued' then return cur[1] end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '', 'attempt', ARGV[1])
-redis.call('HINCRBY', KEYS[1], 'releases', 1)
-return 'queued'
-"""
+ROLLED_BACK = lua.script("records/rolled_back")
 
-# KEYS: record, events. ARGV: now, retention, the output fields (OUTPUT_FIELDS). A failed
-# (dead-lettered) job back to queued with a fresh attempt budget; the attempt counter stays
-# monotonic, so every write of an earlier attempt stays fenced. The old events stream (ended
-# by its error entry) is void.
-REQUEUE = """
-local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'queue_entry')
-if not cur[1] then return 'missing' end
-if cur[1] == 'queued' then return cur[4] and 'queued' or 'unqueued' end
-if cur[1] ~= 'failed' then return cur[1] end
-local base = tonumber(cur[2] or '0') - tonumber(cur[3] or '0')
-redis.call('HDEL', KEYS[1], 'error', 'finished_at', 'worker', 'entry', 'queue_entry',
-  'dead_pending', 'dead_letter', 'cancel_requested', unpack(ARGV, 3))
-redis.call('HSET', KEYS[1], 'status', 'queued', 'budget_base', base, 'requeued_at', ARGV[1])
-redis.call('DEL', KEYS[2])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return 'requeued'
-"""
+REQUEUE = lua.script("records/requeue")
 
-# KEYS: record, events. ARGV: now, retention.
-CANCEL = """
-local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt')
-if not cur[1] then return 'missing' end
-if cur[1] == 'running' then
-  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
-  return 'requested'
-end
-if cur[1] ~= 'queued' then return cur[1] end
-redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1], 'cancel_requested', '1')
-redis.call('XADD', KEYS[2], '*', 'type', 'cancelled', 'attempt', cur[2] or '0', 'data', '{}')
-redis.call('EXPIRE', KEYS[1], ARGV[2]); redis.call('EXPIRE', KEYS[2], ARGV[2])
-return 'cancelled'
-"""
+CANCEL = lua.script("records/cancel")
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)

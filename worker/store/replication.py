@@ -23,19 +23,12 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, MovedError, RedisClusterException, RedisError
 
 from worker.errors import NotReplicatedError
+from worker.store import lua
 from worker.store.batch import Command
 from worker.store.records import as_text
 from worker.store.redis_client import RedisClient, slot_of
 
-# KEYS: record. ARGV: now. On a terminal record, a write that replicates (the WAIT after it
-# then counts the replicas that have the terminal state); its status, or 'missing'.
-CHECK_TERMINAL = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'succeeded' or status == 'failed' or status == 'cancelled' then
-  redis.call('HSET', KEYS[1], 'replica_check', ARGV[1])
-end
-return status or 'missing'
-"""
+CHECK_TERMINAL = lua.script("replication/check_terminal")
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 
 

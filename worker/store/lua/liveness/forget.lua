@@ -1,0 +1,7 @@
+-- KEYS: workers. ARGV: name, timeout seconds. Forgets a dead worker, unless it beat since.
+local t = redis.call('TIME')
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score and tonumber(score) < tonumber(t[1]) - tonumber(ARGV[2]) then
+  return redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return 0
