@@ -21,7 +21,7 @@ from worker.service.runtime import startup_summary
 from worker.settings import Settings, load_settings
 from worker.store.keys import Keys
 from worker.store.redis_client import redis_from_settings, slot_of
-from worker.store.urls import parse_redis_url
+from worker.urls import parse_redis_url
 
 
 def test_one_server_urls_are_kept_as_they_are() -> None:

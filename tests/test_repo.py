@@ -137,3 +137,84 @@ def test_xdist_groups_keep_their_tests_on_one_process(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout.decode()[-2000:]
     ran_on = workers.read_text().split()
     assert len(ran_on) == 6 and len(set(ran_on)) == 1, ran_on
+
+
+# -- the layering: which room may import which (docs/decisions.md, "Layout") ---------------
+
+SHARED = {"settings", "urls", "errors", "logs", "retry", "aio", "speedups", "embedded_server"}
+ALLOWED = {  # besides the shared modules and schemas, which every room may import
+    "protocol": set(),
+    "upstream": {"protocol"},
+    "store": {"protocol"},
+    "client": {"store"},
+    "service": {"protocol", "upstream", "store"},
+    "gateway": {"protocol", "store", "client"},
+    "testing": set(),
+    "cli": {"protocol", "upstream", "store", "client", "service", "gateway", "testing"},
+}
+IO_MODULES = {"asyncio", "socket", "ssl", "redis", "httpx", "httpcore", "starlette", "uvicorn"}
+
+
+def room_of(module: str) -> str:
+    """``worker.store.queue`` -> ``store``; the shared modules -> ``shared``."""
+    if module.startswith("schemas"):
+        return "schemas"
+    part = module.split(".")[1] if "." in module else "package"
+    return "shared" if part in SHARED else part
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, imported in graph.items():
+        room = room_of(module)
+        if room in ("shared", "schemas"):
+            allowed = {room, "package"} if room == "shared" else {"schemas"}
+        else:
+            allowed = ALLOWED.get(room, set()) | {"shared", "schemas", "package", room}
+        wrong += [
+            f"{module} ({room}) imports {found} ({room_of(found)})"
+            for found in sorted(imported)
+            if room_of(found) not in allowed
+        ]
+    return wrong
+
+
+def test_each_room_imports_only_the_rooms_it_may() -> None:
+    wrong = layering_violations(import_graph())
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_room_has_a_rule() -> None:
+    rooms = {room_of(module) for module in import_graph()} - {"shared", "schemas", "package"}
+    assert rooms == set(ALLOWED), rooms ^ set(ALLOWED)
+
+
+def test_the_protocol_does_no_io() -> None:
+    """``protocol`` is pure: no sockets, no event loop, no Redis or HTTP client."""
+    for path in (ROOT / "worker" / "protocol").glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}  # fmt: skip
+        names |= {node.module for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module}  # fmt: skip
+        roots = {name.split(".")[0] for name in names}
+        assert not roots & IO_MODULES, (path.name, roots & IO_MODULES)
+
+
+def test_the_layering_rules_catch_a_wrong_import() -> None:
+    graph = {
+        "worker.store.queue": {"worker.upstream.gate", "worker.store.keys", "worker.settings"},
+        "worker.gateway.core": {"worker.service.worker", "worker.client"},
+        "worker.service.pipeline": {"worker.cli.output", "worker.testing.mock_upstream"},
+        "worker.settings": {"worker.store.keys", "worker.errors"},
+        "schemas.jobs": {"worker.errors"},
+        "worker.cli.demo": {"worker.testing.mock_upstream", "worker.service.worker"},
+    }
+    assert layering_violations(graph) == [
+        "worker.store.queue (store) imports worker.upstream.gate (upstream)",
+        "worker.gateway.core (gateway) imports worker.service.worker (service)",
+        "worker.service.pipeline (service) imports worker.cli.output (cli)",
+        "worker.service.pipeline (service) imports worker.testing.mock_upstream (testing)",
+        "worker.settings (shared) imports worker.store.keys (store)",
+        "schemas.jobs (schemas) imports worker.errors (shared)",
+    ]

@@ -31,8 +31,8 @@ from worker.errors import InvalidJobError
 from worker.service.worker import Worker
 from worker.settings import Settings, Upstream
 from worker.store.redis_client import redis_from_settings
-from worker.store.urls import redacted_url
 from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
+from worker.urls import redacted_url
 
 # -- a job names an upstream; it never chooses a URL --------------------------------------------
 

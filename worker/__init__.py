@@ -1,7 +1,7 @@
 """chatstream: chat-completion jobs in, live and durable token streams out.
 
-The package's rooms, from the pure core outwards (``tests/unit/test_layers.py`` holds the
-rules of which may import which; docs/decisions.md, "Layout"):
+The package's rooms, from the pure core outwards (which may import which is a test,
+``tests/test_repo.py``, and a decision, docs/decisions.md "Layout"):
 
 =============== ======================================================================
 ``protocol/``   the upstream's wire format: SSE decoder, chunk folding, merge rules (pure)
@@ -15,7 +15,8 @@ rules of which may import which; docs/decisions.md, "Layout"):
 ``testing/``    the mock upstream, for the demo and for users' own tests
 =============== ======================================================================
 
-Shared by every room: ``settings`` (configuration), ``errors`` (the exception tree),
+Shared by every room: ``settings`` (configuration), ``urls`` (the forms of
+``CHATSTREAM_REDIS_URL``; URLs shown without secrets), ``errors`` (the exception tree),
 ``logs`` (log lines, secrets masked), ``retry`` (backoff policies), ``aio`` (asyncio
 helpers), ``speedups`` (uvloop, hiredis, httptools when installed), ``embedded_server``
 (uvicorn inside a running loop). What backend services import is ``client``

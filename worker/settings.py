@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validat
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from worker.errors import ConfigError, UnknownUpstreamError
-from worker.store.urls import parse_redis_url
+from worker.urls import parse_redis_url
 
 DEFAULT_UPSTREAM = "default"
 

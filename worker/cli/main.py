@@ -30,7 +30,7 @@ from worker.cli.output import print_event, print_jobs, print_record
 from worker.client import Client, within
 from worker.errors import ChatstreamError
 from worker.settings import Settings, load_settings
-from worker.store.urls import redacted_url
+from worker.urls import redacted_url
 
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 log = logging.getLogger("chatstream.cli")

@@ -20,7 +20,7 @@ from redis.asyncio.sentinel import SentinelConnectionPool
 from worker.settings import DEFAULT_UPSTREAM, Settings
 from worker.speedups import chosen_transport
 from worker.store.redis_client import RedisClient, is_fake
-from worker.store.urls import parse_redis_url, redacted_url
+from worker.urls import parse_redis_url, redacted_url
 
 
 def redis_location(redis: RedisClient) -> str:

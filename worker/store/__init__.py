@@ -3,7 +3,6 @@ limits) that talk to it.
 
 ================= ====================================================================
 ``keys``          every key name, built in one place (hash tags for Cluster)
-``urls``          the forms of ``CHATSTREAM_REDIS_URL``; URLs shown without secrets
 ``redis_client``  connecting: one server, a Cluster or Sentinel; foreign errors mapped
 ``records``       the job record and events stream: fenced scripts
 ``queue``         the consumer group on every queue shard: read, claim, renew, ack

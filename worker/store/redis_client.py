@@ -46,7 +46,7 @@ from worker import speedups
 from worker.errors import RedisUnavailableError
 from worker.retry import RedisBackoff
 from worker.settings import Settings
-from worker.store.urls import RedisUrl, parse_redis_url, redacted_url
+from worker.urls import RedisUrl, parse_redis_url, redacted_url
 
 RedisClient: TypeAlias = Redis | RedisCluster
 
