@@ -130,7 +130,7 @@ class UpstreamClient:
 
         Raises ``UnknownUpstreamError`` at once for a name the settings do not define.
         Entering retries everything before the first body byte; while the upstream is down
-        the caller waits inside ``idle()`` (the runner gives the job's slot back there).
+        the caller waits inside ``idle()`` (the worker gives the job's slot back there).
         Leaving (normally, by an exception or by cancellation) closes the response and its
         connection.
         """
