@@ -8,103 +8,25 @@ with a visible warning in the report header; under CI (``CI=true``) that is an e
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
-import redis as sync_redis
 from redis.asyncio import Redis
 
-from schemas.events import StreamEvent
-from schemas.jobs import JobRecord
+from tests.helpers.harness import MOCK, Harness
+from tests.helpers.servers import RedisServer, redis_executable
 from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings
 from worker.store.redis_client import RedisClient
-from worker.testing.mock_upstream import MockConfig, MockUpstream, serve_mock
+from worker.testing.mock_upstream import MockUpstream, serve_mock
 
 if TYPE_CHECKING:
-    from tests.deployments import Cluster, Sentinels
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class RedisServer:
-    """A redis-server subprocess owned by the test session (restartable for outage tests)."""
-
-    def __init__(self, executable: str, directory: Path, *extra: str) -> None:
-        self.executable = executable
-        self.directory = directory
-        self.extra = extra
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        command = [
-            self.executable,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--dir",
-            str(self.directory),
-            "--protected-mode",
-            "no",
-            *self.extra,
-        ]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-        self.wait_ready()
-
-    def wait_ready(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        client = sync_redis.Redis.from_url(self.url)
-        try:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except sync_redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-            self.process = None
-
-    def kill(self) -> None:
-        """SIGKILL: without persistence, everything it held is gone."""
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            self.process = None
-
-
-def redis_executable() -> str | None:
-    return shutil.which("redis-server")
+    from tests.helpers.deployments import Cluster, Sentinels
 
 
 def pytest_report_header() -> str:
@@ -180,38 +102,6 @@ def settings(redis_server: RedisServer | None, prefix: str) -> Settings:
     )
 
 
-@dataclass
-class Harness:
-    """A started in-process worker, a client, and the mock upstream they talk to."""
-
-    settings: Settings
-    redis: RedisClient
-    mock: MockUpstream
-    worker: Worker
-    client: Client
-
-    async def run(self, request: dict[str, Any], **kwargs: Any) -> JobRecord:
-        """Enqueue one job, run the worker until the queue is empty, return the record."""
-        job_id = await self.client.enqueue(request, **kwargs)
-        await self.worker.run_burst()
-        return await self.client.get(job_id)
-
-    async def events(self, job_id: str) -> list[StreamEvent]:
-        return [event async for event in self.client.events(job_id, block_ms=100)]
-
-
-def chat(text: str = "hello", **mock: Any) -> dict[str, Any]:
-    """A chat request for the mock upstream; ``mock`` options steer its behaviour."""
-    message = {"role": "user", "content": text}
-    request: dict[str, Any] = {"model": "mock-model", "messages": [message]}
-    if mock:
-        request["mock"] = mock
-    return request
-
-
-MOCK = MockConfig(tokens=12)  # the mock_upstream fixture's server config
-
-
 @pytest.fixture
 async def mock_upstream() -> AsyncIterator[tuple[MockUpstream, str]]:
     app = MockUpstream(MOCK)
@@ -233,8 +123,8 @@ async def harness(
 
 @pytest.fixture(scope="module")
 def cluster3() -> Iterator[Cluster]:
-    """A 3-master Redis Cluster (tests/deployments.py), one per test module."""
-    from tests import deployments  # (which imports this module)
+    """A 3-master Redis Cluster (tests/helpers/deployments.py), one per test module."""
+    from tests.helpers import deployments
 
     with deployments.cluster(masters=3) as deployment:
         yield deployment
@@ -242,8 +132,8 @@ def cluster3() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def sentinel_set() -> Iterator[Sentinels]:
-    """1 master, 1 replica, 3 Sentinels (tests/deployments.py), one per test module."""
-    from tests import deployments
+    """1 master, 1 replica, 3 Sentinels (tests/helpers/deployments.py), one per test module."""
+    from tests.helpers import deployments
 
     with deployments.sentinels() as deployment:
         yield deployment

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.chunks import ChatCompletionChunk
-from tests.support import merged, output_of
+from tests.helpers.checks import merged, output_of
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError
 from worker.protocol.accumulator import Accumulator, Delta, FinalMessage
 

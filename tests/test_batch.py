@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tests.conftest import RedisServer
+from tests.helpers.servers import RedisServer
 from worker.store.batch import Command, ConnectionSender, PipelineSender, packer
 from worker.store.cluster_batch import default_sender
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from schemas.events import EventType, StreamEvent
-from tests.conftest import Harness, chat
-from tests.support import custom_harness
+from tests.helpers.harness import Harness, chat, custom_harness
 from worker.client import SyncClient
 from worker.errors import JobNotFoundError
 from worker.store.keys import GROUP

@@ -22,19 +22,17 @@ from typing import Any
 import pytest
 
 from schemas.events import EventType
-from tests.conftest import RedisServer, chat
-from tests.support import (
+from tests.helpers.checks import (
     TERMINAL,
-    WorkerProcesses,
     all_terminal,
     check_all,
     eventually,
-    mock_process,
-    needs_redis_server,
     statuses,
     stream_entries,
-    worker_env,
 )
+from tests.helpers.harness import chat
+from tests.helpers.processes import WorkerProcesses, mock_process, worker_env
+from tests.helpers.servers import RedisServer, needs_redis_server
 from worker.client import Client
 from worker.settings import Settings
 from worker.store.keys import GROUP, Keys

@@ -25,16 +25,11 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.conftest import MOCK, RedisServer, chat, free_port
-from tests.support import (
-    CHATSTREAM,
-    check_stream,
-    clean_env,
-    silent_server,
-    spawn_worker,
-    stop_worker,
-    stream_entries,
-)
+from tests.helpers.checks import check_stream, stream_entries
+from tests.helpers.fakes import silent_server
+from tests.helpers.harness import MOCK, chat
+from tests.helpers.processes import CHATSTREAM, clean_env, spawn_worker, stop_worker
+from tests.helpers.servers import RedisServer, free_port
 from worker import speedups
 from worker.cli.demo import DEMO_REPLY
 from worker.client import Client

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from schemas.events import EventType, StreamEvent
-from tests.conftest import MOCK, Harness, chat
-from tests.support import check_stream, merge_deltas, queue_is_empty, stream_entries
+from tests.helpers.checks import check_stream, merge_deltas, queue_is_empty, stream_entries
+from tests.helpers.harness import MOCK, Harness, chat
 from worker.client import Client, SyncClient, within
 from worker.errors import InvalidJobError, JobNotFoundError
 from worker.testing.mock_upstream import expected_reply

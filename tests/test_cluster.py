@@ -1,4 +1,4 @@
-"""chatstream on real Redis deployments (tests/deployments.py): a 3-master Redis Cluster
+"""chatstream on real Redis deployments (tests/helpers/deployments.py): a 3-master Redis Cluster
 and Sentinel (1 master, 1 replica, 3 sentinels), in one process with the mock upstream.
 
 A cross-slot command fails on a real cluster (CROSSSLOT), so running every step of a job's
@@ -21,10 +21,10 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from schemas.jobs import JobStatus
-from tests.conftest import MOCK, Harness, chat
-from tests.deployments import Cluster, Node, Sentinels
-from tests.gateway_env import chunks_of, content_of, running_gateway, sse_events
-from tests.support import check_stream, eventually, queue_is_drained, stream_entries
+from tests.helpers.checks import check_stream, eventually, queue_is_drained, stream_entries
+from tests.helpers.deployments import Cluster, Node, Sentinels
+from tests.helpers.gateway_env import chunks_of, content_of, running_gateway, sse_events
+from tests.helpers.harness import MOCK, Harness, chat
 from tests.test_shards import spread
 from worker.aio import cancel_and_wait
 from worker.client import Client

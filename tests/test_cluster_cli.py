@@ -1,5 +1,5 @@
 """The ``chatstream`` command on a real Redis Cluster (3 masters) and a real Sentinel set
-(tests/deployments.py), as an operator runs it: ``CHATSTREAM_REDIS_URL`` and nothing else
+(tests/helpers/deployments.py), as an operator runs it: ``CHATSTREAM_REDIS_URL`` and nothing else
 (besides the key prefix, the mock upstream's URL and, on the cluster, 3 queue shards).
 
 The cluster is reached by a plain ``redis://`` URL of one node and by ``redis+cluster://``,
@@ -26,17 +26,12 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import MOCK, chat, free_port
-from tests.deployments import Cluster, Sentinels
-from tests.support import (
-    clean_env,
-    eventually,
-    queue_is_drained,
-    silent_server,
-    spawn_worker,
-    stop_worker,
-    stream_entries,
-)
+from tests.helpers.checks import eventually, queue_is_drained, stream_entries
+from tests.helpers.deployments import Cluster, Sentinels
+from tests.helpers.fakes import silent_server
+from tests.helpers.harness import MOCK, chat
+from tests.helpers.processes import clean_env, spawn_worker, stop_worker
+from tests.helpers.servers import free_port
 from tests.test_cli import DEADLINE, Result, assert_one_line_error, run_chatstream
 from worker.client import Client
 from worker.settings import Settings

@@ -1,4 +1,4 @@
-"""The real Redis deployments of tests/deployments.py, tested against real processes.
+"""The real Redis deployments of tests/helpers/deployments.py, tested against real processes.
 
 Each test starts its own deployment and prints how long its start and failovers took
 (``pytest -rP`` or ``-s`` shows them).
@@ -16,8 +16,8 @@ from redis.cluster import RedisCluster
 from redis.exceptions import MovedError
 from redis.sentinel import Sentinel
 
-from tests import deployments
-from tests.deployments import (
+from tests.helpers import deployments
+from tests.helpers.deployments import (
     HOST,
     SERVICE,
     Cluster,

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support import merged, output_of
+from tests.helpers.checks import merged, output_of
 from worker.errors import ProtocolError
 from worker.protocol.accumulator import Accumulator, FinalMessage
 from worker.protocol.sse import SSEDecoder

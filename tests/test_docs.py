@@ -34,7 +34,8 @@ from redis.asyncio import Redis
 from docs import docgen
 from schemas.events import DATA_MODELS, EventType, StreamEvent
 from schemas.jobs import JobRecord
-from tests.conftest import RedisServer, chat
+from tests.helpers.harness import chat
+from tests.helpers.servers import RedisServer
 from worker.client import Client
 from worker.service.metrics import Metrics
 from worker.service.worker import Worker

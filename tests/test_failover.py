@@ -36,20 +36,17 @@ from redis.exceptions import RedisError
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
-from tests import deployments
-from tests.conftest import chat
-from tests.support import (
-    MOCK_PROCESS,
-    WorkerProcesses,
+from tests.helpers import deployments
+from tests.helpers.checks import (
     after_last_reset,
     all_terminal,
     eventually,
     merge_deltas,
-    mock_process,
     queue_is_drained,
     stream_entries,
-    worker_env,
 )
+from tests.helpers.harness import MOCK_PROCESS, chat
+from tests.helpers.processes import WorkerProcesses, mock_process, worker_env
 from worker.client import Client
 from worker.errors import ChatstreamError
 from worker.settings import Settings

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from tests.support import InstantGateWaits
+from tests.helpers.fakes import InstantGateWaits
 from worker.errors import RetryableUpstreamError, TerminalUpstreamError
 from worker.upstream.gate import IdleSlot, UpstreamGate, keep_slot
 

@@ -19,8 +19,8 @@ from httpx_sse import ServerSentEvent
 from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
-from tests.conftest import MOCK, chat
-from tests.gateway_env import (
+from tests.helpers.checks import eventually
+from tests.helpers.gateway_env import (
     KEY,
     OTHER_KEY,
     GatewayEnv,
@@ -30,7 +30,7 @@ from tests.gateway_env import (
     running_gateway,
     sse_events,
 )
-from tests.support import eventually
+from tests.helpers.harness import MOCK, chat
 from worker.service.worker import Worker
 from worker.settings import Settings
 from worker.testing.mock_upstream import MockUpstream, expected_reply, expected_usage

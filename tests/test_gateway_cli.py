@@ -10,9 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MOCK, RedisServer, chat, free_port
-from tests.gateway_env import KEY
-from tests.support import CHATSTREAM, clean_env, eventually, needs_redis_server, worker_env
+from tests.helpers.checks import eventually
+from tests.helpers.gateway_env import KEY
+from tests.helpers.harness import MOCK, chat
+from tests.helpers.processes import CHATSTREAM, clean_env, worker_env
+from tests.helpers.servers import RedisServer, free_port, needs_redis_server
 from worker.cli.demo import DEMO_REPLY
 from worker.testing.mock_upstream import MockUpstream, expected_reply
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.conftest import chat
-from tests.gateway_env import KEY, OTHER_KEY, GatewayEnv, key_setting, running_gateway
-from tests.support import eventually
+from tests.helpers.checks import eventually
+from tests.helpers.gateway_env import KEY, OTHER_KEY, GatewayEnv, key_setting, running_gateway
+from tests.helpers.harness import chat
 from worker.errors import ConfigError
 from worker.gateway import create_app, serve_gateway
 from worker.logs import secrets_of

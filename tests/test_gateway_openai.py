@@ -29,7 +29,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from redis.asyncio import Redis
 
 from schemas.jobs import EXTRAS
-from tests.gateway_env import KEY, GatewayEnv, running_gateway
+from tests.helpers.gateway_env import KEY, GatewayEnv, running_gateway
 from worker.settings import Settings
 from worker.testing.mock_upstream import MockUpstream
 

@@ -21,7 +21,7 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
-from tests.gateway_env import KEY, GatewayEnv, running_gateway
+from tests.helpers.gateway_env import KEY, GatewayEnv, running_gateway
 from tests.test_gateway_openai import SCRIPT_USAGE, delta, openai_chunk
 from worker.settings import Settings
 from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock

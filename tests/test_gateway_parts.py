@@ -20,8 +20,8 @@ from redis.asyncio import Redis
 
 from schemas.events import StreamEvent
 from schemas.jobs import EXTRAS, JobRecord
-from tests.gateway_env import parse_frames
-from tests.support import Merged, eventually, final_tool_calls, merge_deltas
+from tests.helpers.checks import Merged, eventually, final_tool_calls, merge_deltas
+from tests.helpers.gateway_env import parse_frames
 from tests.test_gateway_openai import Reply, StreamReader
 from worker.aio import cancel_and_wait
 from worker.errors import ConfigError

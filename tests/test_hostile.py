@@ -24,8 +24,10 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
-from tests.conftest import Harness, RedisServer, chat
-from tests.support import InstantGateWaits, custom_harness, inject, merged, output_of
+from tests.helpers.checks import merged, output_of
+from tests.helpers.fakes import InstantGateWaits
+from tests.helpers.harness import Harness, chat, custom_harness, inject
+from tests.helpers.servers import RedisServer
 from worker.client import Client
 from worker.errors import InvalidJobError, ProtocolError
 from worker.protocol.accumulator import Accumulator

@@ -9,8 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tests.conftest import Harness, chat
-from tests.support import custom_harness, inject
+from tests.helpers.harness import Harness, chat, custom_harness, inject
 from worker.client import Client, SyncClient
 from worker.settings import Upstream
 

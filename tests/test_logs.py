@@ -14,8 +14,8 @@ import pytest
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
-from tests.conftest import Harness, chat, free_port
-from tests.support import custom_harness, inject
+from tests.helpers.harness import Harness, chat, custom_harness, inject
+from tests.helpers.servers import free_port
 from tests.test_security import echo_server
 from worker import logs, speedups
 from worker.service.runtime import RuntimeChoices, runtime_choices

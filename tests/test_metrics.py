@@ -12,8 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from tests.conftest import chat, free_port
-from tests.support import silent_server
+from tests.helpers.fakes import silent_server
+from tests.helpers.harness import chat
+from tests.helpers.servers import free_port
 from worker.client import Client
 from worker.service.health import MetricsServer
 from worker.service.metrics import JobTiming, Metrics

@@ -13,8 +13,10 @@ from redis.asyncio import Redis
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
-from tests.conftest import RedisServer, chat
-from tests.support import check_stream, clean_env, spawn_worker, stop_worker
+from tests.helpers.checks import check_stream
+from tests.helpers.harness import chat
+from tests.helpers.processes import clean_env, spawn_worker, stop_worker
+from tests.helpers.servers import RedisServer
 from worker.client import Client
 from worker.store.keys import GROUP, Keys
 from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock

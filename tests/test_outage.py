@@ -23,17 +23,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.conftest import RedisServer, chat, free_port
-from tests.support import (
-    WorkerProcesses,
-    all_terminal,
-    check_stream,
-    eventually,
-    needs_redis_server,
-    stop_worker,
-    stream_entries,
-    worker_env,
-)
+from tests.helpers.checks import all_terminal, check_stream, eventually, stream_entries
+from tests.helpers.harness import chat
+from tests.helpers.processes import WorkerProcesses, stop_worker, worker_env
+from tests.helpers.servers import RedisServer, free_port, needs_redis_server
 from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings

@@ -12,8 +12,8 @@ from typing import Any
 
 from schemas.events import EventType
 from schemas.jobs import JobRecord
-from tests.conftest import Harness, chat
-from tests.support import check_stream, merge_deltas, output_of, stream_entries
+from tests.helpers.checks import check_stream, merge_deltas, output_of, stream_entries
+from tests.helpers.harness import Harness, chat
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
 

@@ -17,8 +17,8 @@ import pytest
 from redis.asyncio import Redis
 
 from schemas.events import EventType
-from tests.conftest import chat
-from tests.support import merge_deltas, stream_entries
+from tests.helpers.checks import merge_deltas, stream_entries
+from tests.helpers.harness import chat
 from worker.client import Client
 from worker.protocol.accumulator import Delta
 from worker.settings import Settings

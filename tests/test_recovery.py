@@ -23,23 +23,19 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
-from tests.conftest import MOCK, Harness, RedisServer, chat
-from tests.support import (
-    CHATSTREAM,
-    WorkerProcesses,
+from tests.helpers.checks import (
     after_last_reset,
     all_terminal,
     check_stream,
-    clean_env,
     eventually,
     merge_deltas,
-    needs_redis_server,
     queue_is_drained,
     status_of,
-    stop_worker,
     stream_entries,
-    worker_env,
 )
+from tests.helpers.harness import MOCK, Harness, chat
+from tests.helpers.processes import CHATSTREAM, WorkerProcesses, clean_env, stop_worker, worker_env
+from tests.helpers.servers import RedisServer, needs_redis_server
 from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.protocol.accumulator import Delta

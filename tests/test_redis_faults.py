@@ -20,17 +20,10 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from tests.conftest import RedisServer, chat, free_port
-from tests.support import (
-    WorkerProcesses,
-    all_terminal,
-    check_all,
-    eventually,
-    mock_process,
-    statuses,
-    stop_worker,
-    worker_env,
-)
+from tests.helpers.checks import all_terminal, check_all, eventually, statuses
+from tests.helpers.harness import chat
+from tests.helpers.processes import WorkerProcesses, mock_process, stop_worker, worker_env
+from tests.helpers.servers import RedisServer, free_port
 from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings

@@ -14,8 +14,7 @@ from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tests.conftest import RedisServer
-from tests.support import needs_redis_server
+from tests.helpers.servers import RedisServer, needs_redis_server
 from worker.errors import ConfigError
 from worker.service.runtime import startup_summary
 from worker.settings import Settings, load_settings

@@ -19,15 +19,16 @@ import pytest
 from redis.asyncio import Redis
 
 from schemas.events import EventType
-from tests.conftest import Harness, RedisServer, chat, redis_executable
-from tests.gateway_env import running_gateway
-from tests.support import (
+from tests.helpers.checks import (
     check_stream,
     eventually,
     queue_is_drained,
     status_of,
     stream_entries,
 )
+from tests.helpers.gateway_env import running_gateway
+from tests.helpers.harness import Harness, chat
+from tests.helpers.servers import RedisServer, redis_executable
 from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.errors import NotReplicatedError

@@ -23,8 +23,8 @@ from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from schemas.events import EventType
-from tests.conftest import Harness, RedisServer, chat, free_port, redis_executable
-from tests.support import custom_harness, inject
+from tests.helpers.harness import Harness, chat, custom_harness, inject
+from tests.helpers.servers import RedisServer, free_port, redis_executable
 from worker import logs
 from worker.client import Client
 from worker.errors import InvalidJobError

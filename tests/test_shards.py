@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.conftest import Harness, chat
-from tests.support import check_stream, custom_harness, eventually, queue_is_drained, stream_entries
+from tests.helpers.checks import check_stream, eventually, queue_is_drained, stream_entries
+from tests.helpers.harness import Harness, chat, custom_harness
 from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.store.keys import GROUP, Keys

@@ -19,18 +19,17 @@ import pytest
 from redis.asyncio import Redis
 
 from schemas.events import EventType
-from tests.conftest import MOCK, RedisServer, chat
-from tests.support import (
-    WorkerProcesses,
+from tests.helpers.checks import (
     after_last_reset,
     check_stream,
     eventually,
     merge_deltas,
-    needs_redis_server,
     queue_is_drained,
     stream_entries,
-    worker_env,
 )
+from tests.helpers.harness import MOCK, chat
+from tests.helpers.processes import WorkerProcesses, worker_env
+from tests.helpers.servers import RedisServer, needs_redis_server
 from worker.client import Client
 from worker.store.keys import Keys
 from worker.testing.mock_upstream import MockUpstream, expected_reply

@@ -9,7 +9,7 @@ import pytest
 from redis._parsers import _AsyncHiredisParser, _AsyncRESP3Parser
 from redis.asyncio import Redis
 
-from tests.conftest import chat
+from tests.helpers.harness import chat
 from worker import speedups
 from worker.client import Client
 from worker.errors import ConfigError

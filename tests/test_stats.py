@@ -12,7 +12,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from tests.conftest import RedisServer, chat
+from tests.helpers.harness import chat
+from tests.helpers.servers import RedisServer
 from worker.client import Client
 from worker.settings import Settings
 from worker.store.keys import Keys

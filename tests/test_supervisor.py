@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from tests.conftest import RedisServer, chat
+from tests.helpers.harness import chat
+from tests.helpers.servers import RedisServer
 from worker.client import Client
 from worker.service.supervisor import Supervisor
 from worker.settings import Settings

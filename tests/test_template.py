@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support import merged
+from tests.helpers.checks import merged
 from worker.errors import ChatstreamError
 from worker.protocol.accumulator import Accumulator, FinalMessage
 from worker.protocol.template import ChunkTemplate, learn

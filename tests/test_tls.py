@@ -26,7 +26,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from schemas.events import EventType
-from tests.conftest import RedisServer, chat, redis_executable
+from tests.helpers.harness import chat
+from tests.helpers.servers import RedisServer, redis_executable
 from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import tenacity
 
-from tests.support import InstantGateWaits
+from tests.helpers.fakes import InstantGateWaits
 from worker.errors import (
     ChatstreamError,
     RetryableUpstreamError,

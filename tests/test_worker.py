@@ -20,14 +20,14 @@ from redis.asyncio import Redis
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
-from tests.conftest import MOCK, Harness, chat
-from tests.support import (
+from tests.helpers.checks import (
     check_stream,
     final_tool_calls,
     merge_deltas,
     queue_is_empty,
     stream_entries,
 )
+from tests.helpers.harness import MOCK, Harness, chat
 from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings

@@ -1,37 +1,24 @@
-"""Helpers shared by several test modules: stream checks, queue checks, worker
-processes, harness variants."""
+"""What the tests check against Redis: a job's stream and record agree, the queue is
+drained, jobs are terminal; and ``eventually``, the wait for a condition."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any
-from unittest import mock
+from typing import Any
 
-import pytest
 from redis.exceptions import RedisError
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import EXTRAS, JobRecord, JobStatus
-from tests.conftest import Harness, RedisServer
+from tests.helpers.harness import MOCK_PROCESS
 from worker.client import Client
 from worker.protocol.accumulator import Delta, FinalMessage
-from worker.service.worker import Worker
 from worker.store.keys import GROUP, Keys
 from worker.store.redis_client import RedisClient
-from worker.testing.mock_upstream import MockConfig, expected_reply
-from worker.upstream import gate as gate_module
+from worker.testing.mock_upstream import expected_reply
 
-MOCK_PROCESS = MockConfig(tokens=64)  # `chatstream mock-upstream`'s default server config
 TERMINAL = ("succeeded", "failed", "cancelled")
 TERMINAL_TYPE = {
     JobStatus.SUCCEEDED: EventType.DONE,
@@ -169,29 +156,6 @@ async def queue_is_empty(redis: RedisClient, keys: Keys) -> bool:
     return await queue_is_drained(redis, keys)
 
 
-CHATSTREAM = str(Path(sys.executable).with_name("chatstream"))
-
-
-def spawn_worker(
-    env: dict[str, str], cwd: Path, log: IO[bytes], *args: str
-) -> subprocess.Popen[bytes]:
-    """``chatstream worker`` in the background, its output (logs) into ``log``."""
-    return subprocess.Popen(
-        [CHATSTREAM, "worker", *args], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
-    )
-
-
-def clean_env() -> dict[str, str]:
-    """The test's environment without any CHATSTREAM_* setting of the developer's."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
-
-
-async def stop_worker(process: subprocess.Popen[bytes], timeout: float = 5) -> int:
-    """SIGTERM; the exit code, which must come within ``timeout`` seconds."""
-    process.send_signal(signal.SIGTERM)
-    return await asyncio.to_thread(process.wait, timeout)
-
-
 async def eventually(
     check: Callable[[], Awaitable[bool]], timeout: float = 10, every: float = 0.02
 ) -> None:
@@ -220,165 +184,6 @@ async def queue_is_drained(redis: RedisClient, keys: Keys) -> bool:
 def after_last_reset(events: list[StreamEvent]) -> list[StreamEvent]:
     resets = [i for i, e in enumerate(events) if e.type is EventType.RESET]
     return events[resets[-1] + 1 :] if resets else events
-
-
-def worker_env(redis_url: str, prefix: str, upstream_url: str, **settings: Any) -> dict[str, str]:
-    """The environment of a ``chatstream worker`` subprocess: CHATSTREAM_* from kwargs."""
-    env = {
-        **clean_env(),
-        "CHATSTREAM_REDIS_URL": redis_url,
-        "CHATSTREAM_PREFIX": prefix,
-        "CHATSTREAM_UPSTREAM_URL": upstream_url,
-        "CHATSTREAM_BLOCK_MS": "100",
-        "CHATSTREAM_RETRY_INITIAL_BACKOFF": "0.01",
-        "CHATSTREAM_RETRY_MAX_BACKOFF": "0.05",
-    }
-    env.update({f"CHATSTREAM_{name.upper()}": str(value) for name, value in settings.items()})
-    return env
-
-
-class WorkerProcesses:
-    """``chatstream worker`` subprocesses sharing one environment; logs in ``directory``."""
-
-    def __init__(self, directory: Path, env: dict[str, str]) -> None:
-        self.directory = directory
-        self.env = env
-        self.processes: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
-
-    def spawn(self, **settings: Any) -> subprocess.Popen[bytes]:
-        log = self.directory / f"worker-{len(self.processes)}.log"
-        env = {**self.env, **{f"CHATSTREAM_{k.upper()}": str(v) for k, v in settings.items()}}
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [CHATSTREAM, "worker"],
-                env=env,
-                cwd=self.directory,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        self.processes.append(process)
-        self.logs.append(log)
-        return process
-
-    async def ready(
-        self, process: subprocess.Popen[bytes], redis: RedisClient, keys: Keys, timeout: float = 20
-    ) -> None:
-        """Until the process wrote its heartbeat (it consumes from then on)."""
-        marker = f"-{process.pid}-"
-
-        async def beating() -> bool:
-            assert process.poll() is None, self.output()
-            names = await redis.zrange(keys.workers, 0, -1)
-            return any(marker in name for name in names)
-
-        await eventually(beating, timeout, every=0.05)
-
-    def output(self) -> str:
-        return "\n".join(f"--- {log.name}\n{log.read_text()}" for log in self.logs)
-
-    async def stop(self, processes: list[subprocess.Popen[bytes]], timeout: float = 15) -> str:
-        """SIGTERM to ``processes``: each must exit 0 within ``timeout`` seconds, with no
-        traceback in any log; returns the logs."""
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        codes = [await asyncio.to_thread(process.wait, timeout) for process in processes]
-        output = self.output()
-        assert codes == [0] * len(processes), output
-        assert "Traceback" not in output, output
-        return output
-
-    def kill_all(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-    @classmethod
-    @asynccontextmanager
-    async def session(cls, directory: Path, env: dict[str, str]) -> AsyncIterator[WorkerProcesses]:
-        group = cls(directory, env)
-        try:
-            yield group
-        finally:
-            group.kill_all()
-
-
-def needs_redis_server(server: RedisServer | None) -> RedisServer:
-    if server is None:
-        pytest.skip("needs a real redis-server")
-    return server
-
-
-@asynccontextmanager
-async def custom_harness(base: Harness, **updates: Any) -> AsyncIterator[Harness]:
-    """A second worker on the same Redis and mock, with some settings changed."""
-    settings = base.settings.model_copy(update=updates)
-    worker = Worker(settings, base.redis)
-    await worker.startup()
-    try:
-        yield Harness(
-            settings, base.redis, base.mock, worker, Client.from_settings(settings, base.redis)
-        )
-    finally:
-        await worker.shutdown()
-
-
-async def inject(h: Harness, fields: dict[str, Any], job_id: str | None = None) -> str:
-    """A record and queue entry written directly, bypassing the client's validation."""
-    job_id = job_id or uuid.uuid4().hex
-    record = {
-        "id": job_id,
-        "status": "queued",
-        "upstream": "default",
-        "metadata": "{}",
-        "created_at": f"{time.time():.6f}",
-        "attempt": "0",
-        **fields,
-    }
-    assert await h.client.records.create(job_id, record) == "created"
-    await h.client.records.mark_queued(job_id, await h.client.queue.add(job_id))
-    return job_id
-
-
-@asynccontextmanager
-async def silent_server() -> AsyncIterator[int]:
-    """A port that accepts connections and never answers (a wrong port, a hung proxy)."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        for writer in held:
-            writer.close()
-        server.close()
-        await server.wait_closed()
-
-
-@asynccontextmanager
-async def mock_process(directory: Path) -> AsyncIterator[str]:
-    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU)."""
-    process = await asyncio.create_subprocess_exec(
-        CHATSTREAM,
-        "mock-upstream",
-        "--port",
-        "0",
-        env=clean_env(),
-        cwd=directory,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        assert process.stdout is not None
-        line = await asyncio.wait_for(process.stdout.readline(), 20)
-        yield line.decode().rsplit(" ", 1)[-1].strip()
-    finally:
-        process.kill()
-        await process.wait()
 
 
 async def statuses(redis: RedisClient, keys: Keys, ids: list[str]) -> list[str | None]:
@@ -421,31 +226,3 @@ async def check_all(
     assert await queue_is_drained(redis, keys)
     assert await redis.xlen(keys.dead) == 0
     return records
-
-
-class InstantGateWaits:
-    """The upstream gates' clock and waits, replaced: a timed wait returns at once and moves
-    the clock on by its length (recorded in ``waits``); an untimed one waits for real."""
-
-    def __init__(self) -> None:
-        self.now = 1_000.0
-        self.waits: list[float] = []
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def wait_for_change(self, changed: asyncio.Event, timeout: float | None) -> None:
-        if timeout is None:
-            await changed.wait()
-            return
-        self.waits.append(timeout)
-        self.now += max(timeout, 0.0)
-        await asyncio.sleep(0)
-
-    @contextmanager
-    def installed(self) -> Iterator[InstantGateWaits]:
-        with (
-            mock.patch.object(gate_module, "monotonic", self.monotonic),
-            mock.patch.object(gate_module, "wait_for_change", self.wait_for_change),
-        ):
-            yield self

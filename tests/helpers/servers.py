@@ -1,0 +1,90 @@
+"""Redis servers of the tests' own: a redis-server subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis as sync_redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """A redis-server subprocess owned by the test session (restartable for outage tests)."""
+
+    def __init__(self, executable: str, directory: Path, *extra: str) -> None:
+        self.executable = executable
+        self.directory = directory
+        self.extra = extra
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        command = [
+            self.executable,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(self.directory),
+            "--protected-mode",
+            "no",
+            *self.extra,
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        client = sync_redis.Redis.from_url(self.url)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except sync_redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL: without persistence, everything it held is gone."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+def redis_executable() -> str | None:
+    return shutil.which("redis-server")
+
+
+def needs_redis_server(server: RedisServer | None) -> RedisServer:
+    if server is None:
+        pytest.skip("needs a real redis-server")
+    return server
