@@ -1,4 +1,6 @@
-"""Shared fixtures: a real redis-server on a free loopback port, started here.
+"""Shared fixtures: a real redis-server on a free loopback port, started here; the
+in-process worker (``harness``); the Redis servers and deployments several test modules use
+(a password, TLS, Cluster, Sentinel). What the fixtures are made of is in ``tests/helpers/``.
 
 Every test gets its own key prefix, so tests never read or flush data they did not
 create. Without ``redis-server`` on the PATH the Redis fixtures fall back to fakeredis
@@ -18,12 +20,19 @@ import pytest
 from redis.asyncio import Redis
 
 from tests.helpers.harness import MOCK, Harness
-from tests.helpers.servers import RedisServer, redis_executable
+from tests.helpers.servers import (
+    REDIS_PASSWORD,
+    AuthRedisServer,
+    RedisServer,
+    auth_server,
+    redis_executable,
+)
+from tests.helpers.tls import TLSRedisServer, TLSSetup, make_certs
 from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.store.redis_client import RedisClient
-from worker.testing.mock_upstream import MockUpstream, serve_mock
+from worker.store.redis_client import RedisClient, redis_from_settings
+from worker.testing.mock_upstream import MockConfig, MockUpstream, serve_mock
 
 if TYPE_CHECKING:
     from tests.helpers.deployments import Cluster, Sentinels
@@ -137,3 +146,47 @@ def sentinel_set() -> Iterator[Sentinels]:
 
     with deployments.sentinels() as deployment:
         yield deployment
+
+
+@pytest.fixture(scope="module")
+def password_server() -> Iterator[AuthRedisServer]:
+    """A redis-server that requires a password, one per test module."""
+    with auth_server(f":{REDIS_PASSWORD}", "--requirepass", REDIS_PASSWORD) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tls_server() -> Iterator[TLSRedisServer]:
+    """A redis-server on a TLS port only, with a password (tests/helpers/tls.py), one per
+    test module."""
+    executable = redis_executable()
+    if executable is None:
+        pytest.skip("needs redis-server")
+    with tempfile.TemporaryDirectory(prefix="chatstream-tls-") as directory:
+        server = TLSRedisServer(executable, Path(directory), make_certs(Path(directory)))
+        try:
+            server.start()
+        except Exception as exc:  # a redis-server built without TLS
+            server.stop()
+            pytest.skip(f"redis-server without TLS support: {exc}")
+        yield server
+        server.stop()
+
+
+@pytest.fixture
+async def tls(tls_server: TLSRedisServer, settings: Settings) -> AsyncIterator[TLSSetup]:
+    """A started in-process worker and a client on the TLS server, and their mock upstream."""
+    app = MockUpstream(MockConfig(tokens=8))
+    async with serve_mock(app=app) as url:
+        config = settings.model_copy(update={"redis_url": tls_server.url, "upstream_url": url})
+        redis = redis_from_settings(config)
+        assert isinstance(redis, Redis)
+        worker = Worker(config, redis)
+        await worker.startup()
+        try:
+            yield TLSSetup(
+                tls_server, config, redis, worker, Client.from_settings(config, redis), app
+            )
+        finally:
+            await worker.shutdown()
+            await redis.aclose()

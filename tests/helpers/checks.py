@@ -1,5 +1,6 @@
-"""What the tests check against Redis: a job's stream and record agree, the queue is
-drained, jobs are terminal; and ``eventually``, the wait for a condition."""
+"""What the tests check: against Redis, that a job's stream and record agree, the queue is
+drained, jobs are terminal; a worker's readiness; and ``eventually``, the wait for a
+condition."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from redis.exceptions import RedisError
 
 from schemas.events import EventType, StreamEvent
@@ -226,3 +228,14 @@ async def check_all(
     assert await queue_is_drained(redis, keys)
     assert await redis.xlen(keys.dead) == 0
     return records
+
+
+async def readiness(port: int) -> tuple[int, dict[str, Any]]:
+    """A worker's ``/readyz`` on its metrics port: the status code and the body."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        response = await http.get(f"http://127.0.0.1:{port}/readyz")
+        return response.status_code, response.json()
+
+
+async def is_ready(port: int) -> bool:
+    return (await readiness(port))[0] == 200

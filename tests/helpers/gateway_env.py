@@ -1,5 +1,6 @@
 """A running gateway for the gateway tests: a real redis-server, the mock upstream, an
-in-process worker consuming live, and the gateway served by uvicorn on loopback."""
+in-process worker consuming live, and the gateway served by uvicorn on loopback; SSE
+reading, and upstream chunks scripted in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -106,3 +107,29 @@ def content_of(chunks: list[dict[str, Any]]) -> str:
 
 async def collect(response: httpx.Response) -> list[ServerSentEvent]:
     return [event async for event in sse_events(response)]
+
+
+# -- scripted upstream streams, shaped like OpenAI's (for ``mock.script``) ------------------
+
+
+def openai_chunk(*choices: dict[str, Any], **top: Any) -> str:
+    body = {
+        "id": "chatcmpl-script",
+        "object": "chat.completion.chunk",
+        "created": 1751299200,
+        "model": "mock-model",
+        "service_tier": "default",
+        "system_fingerprint": "fp_script",
+        "choices": list(choices),
+        "usage": None,
+        "obfuscation": "Xk2",
+        **top,
+    }
+    return json.dumps(body, ensure_ascii=False)
+
+
+def delta(index: int, finish: str | None = None, **fields: Any) -> dict[str, Any]:
+    return {"index": index, "delta": fields, "logprobs": None, "finish_reason": finish}
+
+
+SCRIPT_USAGE = {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}

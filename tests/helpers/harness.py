@@ -3,6 +3,8 @@ variants, and the jobs the tests enqueue."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,13 +12,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.events import StreamEvent
+from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
 from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings
+from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
-from worker.testing.mock_upstream import MockConfig, MockUpstream
+from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply
 
 
 @dataclass
@@ -81,3 +84,67 @@ async def inject(h: Harness, fields: dict[str, Any], job_id: str | None = None) 
     assert await h.client.records.create(job_id, record) == "created"
     await h.client.records.mark_queued(job_id, await h.client.queue.add(job_id))
     return job_id
+
+
+def spread(keys: Keys, per_shard: int = 3) -> list[str]:
+    """Job ids that ``Client.enqueue`` puts ``per_shard`` on every shard."""
+    ids: dict[int, list[str]] = {shard: [] for shard in range(keys.shards)}
+    for n in itertools.count():
+        job_id = f"spread-{n}"
+        if len(found := ids[keys.shard_of(job_id)]) < per_shard:
+            found.append(job_id)
+        if all(len(found) == per_shard for found in ids.values()):
+            return [job_id for found in ids.values() for job_id in found]
+    raise AssertionError("unreachable")
+
+
+@asynccontextmanager
+async def consuming(*workers: Worker) -> AsyncIterator[None]:
+    """In-process workers consuming until the block exits, then shut down gracefully."""
+    for worker in workers:
+        await worker.startup()
+    tasks = [asyncio.create_task(worker.consume()) for worker in workers]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for worker in workers:
+            await worker.shutdown()
+
+
+# -- a slow job, to cancel ---------------------------------------------------------------
+
+SLOW = {"tokens": 400, "rate": 20.0}  # a 20 s reply: only a cancel ends it in time
+
+
+async def first_delta(h: Harness, job_id: str) -> None:
+    async for event in h.client.events(job_id, block_ms=100):
+        if event.type is EventType.DELTA:
+            return
+
+
+async def start_slow_job(h: Harness) -> tuple[str, asyncio.Task[int]]:
+    """A slow job running in a worker burst, once its first delta was published."""
+    job_id = await h.client.enqueue(chat("slow", **SLOW))
+    burst = asyncio.create_task(h.worker.run_burst())
+    async with asyncio.timeout(5):
+        await first_delta(h, job_id)
+    await asyncio.sleep(0.2)  # a few more tokens
+    return job_id, burst
+
+
+async def assert_cancelled_with_partial_output(h: Harness, job_id: str) -> list[StreamEvent]:
+    record = await h.client.get(job_id)
+    events = await h.events(job_id)
+    assert record.status == "cancelled"
+    assert record.error is None
+    assert events[-1].type is EventType.CANCELLED
+    assert [e.type for e in events[:-1]] == [EventType.DELTA] * (len(events) - 1)
+    published = "".join(e.data.get("content", "") for e in events[:-1])
+    full = expected_reply(chat("slow", **SLOW), h.mock.config)
+    assert record.content.startswith("tok0 tok1")
+    assert record.content == published  # the record keeps exactly what was streamed
+    assert len(record.content) < len(full)
+    return events

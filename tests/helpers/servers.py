@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,36 @@ def needs_redis_server(server: RedisServer | None) -> RedisServer:
     if server is None:
         pytest.skip("needs a real redis-server")
     return server
+
+
+REDIS_PASSWORD = "Pa55-" + "q7Zx"
+
+
+class AuthRedisServer(RedisServer):
+    """A redis-server whose URL carries credentials."""
+
+    def __init__(self, executable: str, directory: Path, auth: str, *extra: str) -> None:
+        super().__init__(executable, directory, *extra)
+        self.auth = auth
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.auth}@127.0.0.1:{self.port}/0"
+
+    @property
+    def anonymous_url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@contextlib.contextmanager
+def auth_server(auth: str, *extra: str) -> Iterator[AuthRedisServer]:
+    executable = redis_executable()
+    if executable is None:
+        pytest.skip("needs redis-server")
+    with tempfile.TemporaryDirectory(prefix="chatstream-auth-") as directory:
+        server = AuthRedisServer(executable, Path(directory), auth, *extra)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()

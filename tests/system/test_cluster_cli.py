@@ -32,7 +32,7 @@ from tests.helpers.fakes import silent_server
 from tests.helpers.harness import MOCK, chat
 from tests.helpers.processes import clean_env, spawn_worker, stop_worker
 from tests.helpers.servers import free_port
-from tests.test_cli import DEADLINE, Result, assert_one_line_error, run_chatstream
+from tests.system.test_cli import DEADLINE, Result, assert_one_line_error, run_chatstream
 from worker.client import Client
 from worker.settings import Settings
 from worker.store.keys import Keys

@@ -6,12 +6,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
+from tests.helpers.checks import eventually, is_ready, readiness
 from tests.helpers.fakes import silent_server
 from tests.helpers.harness import chat
 from tests.helpers.servers import free_port
@@ -20,6 +22,7 @@ from worker.service.health import MetricsServer
 from worker.service.metrics import JobTiming, Metrics
 from worker.service.worker import Worker
 from worker.settings import Settings, Upstream
+from worker.store.keys import Keys
 from worker.store.queue import Queue
 from worker.testing.mock_upstream import MockUpstream
 
@@ -271,6 +274,44 @@ async def test_not_ready_while_redis_does_not_answer() -> None:
         finally:
             await silent.aclose()
     assert reason == f"redis at 127.0.0.1:{port}/3 did not answer PING within 1s"
+
+
+@pytest.mark.xdist_group("worker-processes")  # as in tests/system/test_redis_faults.py
+async def test_readyz_is_503_while_the_worker_cannot_read_its_queue(
+    settings: Settings, redis: Redis, mock_upstream: tuple[Any, str]
+) -> None:
+    """Redis answers PING, but the queue cannot be read (here: its key clobbered with a
+    string): not ready, saying why. Once the key is gone the worker recreates its group and
+    runs jobs again."""
+    _, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url, "metrics_port": 0})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    worker = Worker(settings, redis)
+    await worker.startup()
+    consuming = asyncio.create_task(worker.consume())
+    try:
+        assert worker.http is not None
+        port = worker.http.port
+        await eventually(lambda: is_ready(port))
+        await redis.delete(keys.queue)
+        await redis.set(keys.queue, "not a stream")
+        await eventually(lambda: _not_ready(port))
+        status, body = await readiness(port)
+        assert status == 503
+        assert body["reason"].startswith("cannot read the queue: ResponseError: WRONGTYPE")
+        await redis.delete(keys.queue)
+        job_id = await client.enqueue(chat("after"))
+        record = await client.result(job_id, timeout=10)
+        assert record.status == "succeeded"
+        await eventually(lambda: is_ready(port))
+    finally:
+        consuming.cancel()
+        await asyncio.gather(consuming, return_exceptions=True)
+        await worker.shutdown()
+
+
+async def _not_ready(port: int) -> bool:
+    return (await readiness(port))[0] == 503
 
 
 async def test_no_server_without_a_port_and_registries_are_per_worker(

@@ -6,14 +6,13 @@ Test_cluster.py runs the same on a real Redis Cluster."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from tests.helpers.checks import check_stream, eventually, queue_is_drained, stream_entries
-from tests.helpers.harness import Harness, chat, custom_harness
+from tests.helpers.harness import Harness, chat, custom_harness, spread
 from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.store.keys import GROUP, Keys
@@ -29,18 +28,6 @@ async def sharded(harness: Harness) -> AsyncIterator[Harness]:
     await harness.worker.shutdown()  # the default one-shard worker steps aside
     async with custom_harness(harness, queue_shards=SHARDS) as h:
         yield h
-
-
-def spread(keys: Keys, per_shard: int = 3) -> list[str]:
-    """Job ids that ``Client.enqueue`` puts ``per_shard`` on every shard."""
-    ids: dict[int, list[str]] = {shard: [] for shard in range(keys.shards)}
-    for n in itertools.count():
-        job_id = f"spread-{n}"
-        if len(found := ids[keys.shard_of(job_id)]) < per_shard:
-            found.append(job_id)
-        if all(len(found) == per_shard for found in ids.values()):
-            return [job_id for found in ids.values() for job_id in found]
-    raise AssertionError("unreachable")
 
 
 async def shard_lengths(redis: RedisClient, keys: Keys) -> list[int]:

@@ -28,8 +28,6 @@ from tests.helpers.harness import chat
 from tests.helpers.processes import WorkerProcesses, stop_worker, worker_env
 from tests.helpers.servers import RedisServer, free_port, needs_redis_server
 from worker.client import Client
-from worker.service.worker import Worker
-from worker.settings import Settings
 from worker.store.keys import Keys
 from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 
@@ -200,57 +198,3 @@ async def check_all_succeeded_once(redis: Redis, keys: Keys, client: Client, job
 async def _status(redis: Redis, keys: Keys, job_id: str) -> str | None:
     status: Any = await redis.hget(keys.job(job_id), "status")
     return None if status is None else str(status)
-
-
-# -- a job waiting for a down upstream: cancel, shutdown --------------------------------------
-
-
-@asynccontextmanager
-async def waiting_job(settings: Settings, redis: Redis) -> AsyncIterator[tuple[Worker, str]]:
-    """A worker (default retries) whose one job waits for an upstream refusing connections."""
-    closed = f"http://127.0.0.1:{free_port()}/v1"
-    settings = settings.model_copy(update={"upstream_url": closed, "retry_attempts": None})
-    worker = Worker(settings, redis)
-    job_id = await Client.from_settings(settings, redis).enqueue(chat("waits"))
-    await worker.startup()
-    consuming = asyncio.create_task(worker.consume())
-    try:
-        gate = worker.upstream.gate("default")
-        await eventually(lambda: _true(gate.waiting == 1 or gate.next_try_in() > 0))
-        yield worker, job_id
-    finally:
-        consuming.cancel()
-        await asyncio.gather(consuming, return_exceptions=True)
-        if not worker.stopping.is_set():
-            await worker.shutdown()
-
-
-async def _true(value: bool) -> bool:
-    return value
-
-
-async def test_a_job_waiting_for_its_upstream_can_be_cancelled(
-    settings: Settings, redis: Redis
-) -> None:
-    async with waiting_job(settings, redis) as (worker, job_id):
-        client = Client.from_settings(worker.settings, redis)
-        assert await client.cancel(job_id) == "requested"
-        record = await client.result(job_id, timeout=5)
-    assert record.status == "cancelled"
-    events = await stream_entries(redis, Keys(settings.prefix), job_id)
-    assert [e.type.value for e in events] == ["cancelled"]
-
-
-async def test_a_job_waiting_for_its_upstream_is_handed_back_at_once_on_shutdown(
-    settings: Settings, redis: Redis
-) -> None:
-    """Not after the grace period: it has no output to finish."""
-    settings = settings.model_copy(update={"shutdown_grace_seconds": 20})
-    async with waiting_job(settings, redis) as (worker, job_id):
-        began = time.monotonic()
-        await worker.shutdown()
-        took = time.monotonic() - began
-    assert took < 5
-    record = await Client.from_settings(settings, redis).get(job_id)
-    assert (record.status, record.attempt) == ("queued", 1)  # handed back, not counted
-    assert await redis.xlen(Keys(settings.prefix).queue) == 1  # a fresh entry for it

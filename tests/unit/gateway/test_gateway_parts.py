@@ -22,7 +22,7 @@ from schemas.events import StreamEvent
 from schemas.jobs import EXTRAS, JobRecord
 from tests.helpers.checks import Merged, eventually, final_tool_calls, merge_deltas
 from tests.helpers.gateway_env import parse_frames
-from tests.test_gateway_openai import Reply, StreamReader
+from tests.unit.gateway.test_gateway_openai import Reply, StreamReader
 from worker.aio import cancel_and_wait
 from worker.errors import ConfigError
 from worker.gateway import openai_format as fmt

@@ -1,61 +1,33 @@
 """Cancellation: queued jobs never start, running jobs close their upstream at once.
 
-``client.cancel`` (and ``chatstream cancel``) marks the record and publishes on
-``<prefix>:cancel``; the worker running the job cancels its task, which closes the
-upstream response, and writes ``cancelled`` with the output so far. A cancel flag on the
-record is the fallback when the pub/sub message is lost (polled with the leases).
+``client.cancel`` (and ``chatstream cancel``, tests/system/test_cancel.py) marks the record
+and publishes on ``<prefix>:cancel``; the worker running the job cancels its task, which
+closes the upstream response, and writes ``cancelled`` with the output so far. A cancel
+flag on the record is the fallback when the pub/sub message is lost (polled with the
+leases).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from schemas.events import EventType, StreamEvent
-from tests.helpers.harness import Harness, chat, custom_harness
+from schemas.events import EventType
+from tests.helpers.harness import (
+    Harness,
+    assert_cancelled_with_partial_output,
+    chat,
+    custom_harness,
+    start_slow_job,
+)
 from worker.client import SyncClient
 from worker.errors import JobNotFoundError
 from worker.store.keys import GROUP
 from worker.testing.mock_upstream import expected_reply
 
-SLOW = {"tokens": 400, "rate": 20.0}  # a 20 s reply: only a cancel ends it in time
 CLOSE_WITHIN = 0.25
-
-
-async def first_delta(h: Harness, job_id: str) -> None:
-    async for event in h.client.events(job_id, block_ms=100):
-        if event.type is EventType.DELTA:
-            return
-
-
-async def start_slow_job(h: Harness) -> tuple[str, asyncio.Task[int]]:
-    """A slow job running in a worker burst, once its first delta was published."""
-    job_id = await h.client.enqueue(chat("slow", **SLOW))
-    burst = asyncio.create_task(h.worker.run_burst())
-    async with asyncio.timeout(5):
-        await first_delta(h, job_id)
-    await asyncio.sleep(0.2)  # a few more tokens
-    return job_id, burst
-
-
-async def assert_cancelled_with_partial_output(h: Harness, job_id: str) -> list[StreamEvent]:
-    record = await h.client.get(job_id)
-    events = await h.events(job_id)
-    assert record.status == "cancelled"
-    assert record.error is None
-    assert events[-1].type is EventType.CANCELLED
-    assert [e.type for e in events[:-1]] == [EventType.DELTA] * (len(events) - 1)
-    published = "".join(e.data.get("content", "") for e in events[:-1])
-    full = expected_reply(chat("slow", **SLOW), h.mock.config)
-    assert record.content.startswith("tok0 tok1")
-    assert record.content == published  # the record keeps exactly what was streamed
-    assert len(record.content) < len(full)
-    return events
 
 
 async def queue_is_empty(h: Harness) -> bool:
@@ -167,48 +139,3 @@ async def test_sync_client_cancels_a_queued_job(harness: Harness) -> None:
 
     assert await asyncio.to_thread(cancel) == "cancelled"
     assert (await harness.client.get(job_id)).status == "cancelled"
-
-
-# -- the CLI ---------------------------------------------------------------------------------
-
-
-async def cli(h: Harness, tmp_path: Path, *args: str) -> tuple[int, str, str]:
-    """Run ``chatstream ARGS`` in a subprocess against the test's Redis and prefix."""
-    env = {
-        **os.environ,
-        "CHATSTREAM_REDIS_URL": h.settings.redis_url,
-        "CHATSTREAM_PREFIX": h.settings.prefix,
-    }
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        "import sys; from worker.cli import main; main(sys.argv[1:])",
-        *args,
-        cwd=tmp_path,  # no stray .env
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
-
-
-async def test_cli_cancels_a_running_job(harness: Harness, tmp_path: Path) -> None:
-    job_id, burst = await start_slow_job(harness)
-    code, out, err = await cli(harness, tmp_path, "cancel", job_id)
-    assert (code, out.strip(), err) == (0, "requested", "")
-    await burst
-    await assert_cancelled_with_partial_output(harness, job_id)
-
-
-async def test_cli_cancel_of_a_queued_job_and_an_unknown_job(
-    harness: Harness, tmp_path: Path
-) -> None:
-    job_id = await harness.client.enqueue(chat("queued"))
-    code, out, _ = await cli(harness, tmp_path, "cancel", job_id)
-    assert (code, out.strip()) == (0, "cancelled")
-    code, out, err = await cli(harness, tmp_path, "cancel", "nope")
-    assert code == 1
-    assert out == ""
-    assert err.strip() == "chatstream: error: no job 'nope' (never enqueued, or expired)"

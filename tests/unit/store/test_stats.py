@@ -1,19 +1,16 @@
-"""``chatstream stats``: queue, pending per consumer, live workers, dead letters."""
+"""What ``chatstream stats`` reports: queue, pending per consumer, live workers, dead letters
+(the command itself in a subprocess: tests/system/test_stats.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
 
 from tests.helpers.harness import chat
-from tests.helpers.servers import RedisServer
 from worker.client import Client
 from worker.settings import Settings
 from worker.store.keys import Keys
@@ -21,7 +18,7 @@ from worker.store.queue import Queue
 from worker.store.stats import Stats, collect, render
 
 
-async def _populate(settings: Settings, redis: Redis) -> Keys:
+async def populate(settings: Settings, redis: Redis) -> Keys:
     """5 jobs: 2 taken by consumer a, 1 by b, 2 waiting; 2 dead letters; 3 heartbeats."""
     client = Client.from_settings(settings, redis)
     keys = client.keys
@@ -40,7 +37,7 @@ async def _populate(settings: Settings, redis: Redis) -> Keys:
 
 
 async def test_stats_of_a_busy_queue(settings: Settings, redis: Redis) -> None:
-    keys = await _populate(settings, redis)
+    keys = await populate(settings, redis)
     await asyncio.sleep(0.05)
     stats = await collect(redis, keys, live_window=30)
     assert stats.queue_length == 5
@@ -72,36 +69,3 @@ async def test_stats_before_any_worker_ran(settings: Settings, redis: Redis) -> 
     queued = await collect(redis, keys, live_window=30)
     assert (queued.queue_length, queued.waiting, queued.pending) == (1, 1, 0)
     assert queued.oldest_waiting_seconds is not None and queued.oldest_waiting_seconds < 5
-
-
-async def test_stats_command_prints_json_and_a_table(
-    settings: Settings, redis: Redis, redis_server: RedisServer | None, tmp_path: Path
-) -> None:
-    if redis_server is None:
-        return  # the command runs in a subprocess: it needs a real server
-    await _populate(settings, redis)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
-    env |= {"CHATSTREAM_REDIS_URL": redis_server.url, "CHATSTREAM_PREFIX": settings.prefix}
-    outputs = []
-    for extra in (["--json"], []):
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "stats",
-            *extra,
-            env=env,
-            cwd=tmp_path,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(process.communicate(), 30)
-        assert process.returncode == 0, err.decode()
-        outputs.append(out.decode())
-    data = json.loads(outputs[0])
-    assert data["queue_length"] == 5
-    assert data["pending_by_consumer"] == {"a": 2, "b": 1}
-    assert data["dead_letters"] == 2
-    assert data["live_workers"] == ["w-live-1", "w-live-2"]
-    assert data["oldest_waiting_seconds"] >= 0
-    assert "5 entries: 2 waiting, 3 pending" in outputs[1]

@@ -24,8 +24,7 @@ from schemas.jobs import JobStatus
 from tests.helpers.checks import check_stream, eventually, queue_is_drained, stream_entries
 from tests.helpers.deployments import Cluster, Node, Sentinels
 from tests.helpers.gateway_env import chunks_of, content_of, running_gateway, sse_events
-from tests.helpers.harness import MOCK, Harness, chat
-from tests.test_shards import spread
+from tests.helpers.harness import MOCK, Harness, chat, spread
 from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.service.worker import Worker

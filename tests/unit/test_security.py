@@ -9,13 +9,9 @@ import contextlib
 import io
 import json
 import logging
-import os
-import sys
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
@@ -24,7 +20,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from schemas.events import EventType
 from tests.helpers.harness import Harness, chat, custom_harness, inject
-from tests.helpers.servers import RedisServer, free_port, redis_executable
+from tests.helpers.servers import AuthRedisServer, auth_server, free_port
 from worker import logs
 from worker.client import Client
 from worker.errors import InvalidJobError
@@ -276,44 +272,7 @@ def test_settings_never_render_keys() -> None:
 
 # -- Redis with a password and with an ACL user -----------------------------------------------
 
-REDIS_PASSWORD = "Pa55-" + "q7Zx"
 ACL_USER, ACL_PASSWORD, ACL_PREFIX = "chatstream", "acl-Secret-9", "acl-"
-
-
-class AuthRedisServer(RedisServer):
-    """A redis-server whose URL carries credentials."""
-
-    def __init__(self, executable: str, directory: Path, auth: str, *extra: str) -> None:
-        super().__init__(executable, directory, *extra)
-        self.auth = auth
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.auth}@127.0.0.1:{self.port}/0"
-
-    @property
-    def anonymous_url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-
-@contextlib.contextmanager
-def auth_server(auth: str, *extra: str) -> Iterator[AuthRedisServer]:
-    executable = redis_executable()
-    if executable is None:
-        pytest.skip("needs redis-server")
-    with tempfile.TemporaryDirectory(prefix="chatstream-auth-") as directory:
-        server = AuthRedisServer(executable, Path(directory), auth, *extra)
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
-
-
-@pytest.fixture(scope="module")
-def password_server() -> Iterator[AuthRedisServer]:
-    with auth_server(f":{REDIS_PASSWORD}", "--requirepass", REDIS_PASSWORD) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -404,32 +363,3 @@ async def test_redis_with_an_acl_user_limited_to_the_prefix(
 )
 def test_redacted_url(url: str, shown: str) -> None:
     assert redacted_url(url) == shown
-
-
-async def cli(env: dict[str, str], tmp_path: Path, *args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        "import sys; from worker.cli import main; main(sys.argv[1:])",
-        *args,
-        cwd=tmp_path,
-        env={**os.environ, **env},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
-
-
-async def test_cli_works_with_a_password_and_never_prints_it(
-    password_server: AuthRedisServer, tmp_path: Path
-) -> None:
-    env = {"CHATSTREAM_REDIS_URL": password_server.url, "CHATSTREAM_PREFIX": "pw-cli"}
-    code, out, err = await cli(env, tmp_path, "enqueue", "--model", "m", "--message", "hi")
-    assert code == 0, err
-    job_id = out.strip()
-    code, out, err = await cli(env, tmp_path, "status", job_id, "--json")
-    assert code == 0, err
-    assert json.loads(out)["status"] == "queued"
-    assert REDIS_PASSWORD not in out + err

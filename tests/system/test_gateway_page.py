@@ -21,8 +21,14 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
-from tests.helpers.gateway_env import KEY, GatewayEnv, running_gateway
-from tests.test_gateway_openai import SCRIPT_USAGE, delta, openai_chunk
+from tests.helpers.gateway_env import (
+    KEY,
+    SCRIPT_USAGE,
+    GatewayEnv,
+    delta,
+    openai_chunk,
+    running_gateway,
+)
 from worker.settings import Settings
 from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 

@@ -25,7 +25,7 @@ from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
 from tests.helpers.harness import Harness, chat, custom_harness
 from tests.helpers.servers import free_port
-from tests.test_tls import make_certs
+from tests.helpers.tls import make_certs
 from worker.settings import Upstream
 from worker.testing.mock_upstream import MockConfig, expected_reply
 

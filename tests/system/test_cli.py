@@ -275,7 +275,7 @@ async def test_status_json_prints_only_documented_fields(
 ) -> None:
     """Every field ``status --json`` prints, in every state a job reaches, is in
     docs/schemas/job-record.json with the type printed (``seq`` an integer, ...)."""
-    schema = json.loads((Path(__file__).parent.parent / "docs/schemas/job-record.json").read_text())
+    schema = json.loads((Path(__file__).parents[2] / "docs/schemas/job-record.json").read_text())
     done = await cli.client.enqueue(chat("ok"))
     failed = await cli.client.enqueue(chat("bad", fault="http_400"))
     slow = await cli.client.enqueue(chat("slow", tokens=2000, rate=20))  # cancelled below

@@ -20,13 +20,11 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from tests.helpers.checks import all_terminal, check_all, eventually, statuses
+from tests.helpers.checks import all_terminal, check_all, eventually, is_ready, readiness, statuses
 from tests.helpers.harness import chat
 from tests.helpers.processes import WorkerProcesses, mock_process, stop_worker, worker_env
 from tests.helpers.servers import RedisServer, free_port
 from worker.client import Client
-from worker.service.worker import Worker
-from worker.settings import Settings
 from worker.store.keys import Keys
 
 # one at a time on one test process: their workers' leases and heartbeats run on real clocks
@@ -108,12 +106,6 @@ async def test_streams_stay_gapless_while_redis_refuses_writes_at_maxmemory(
 # -- Redis restarted empty --------------------------------------------------------------------
 
 
-async def readiness(port: int) -> tuple[int, dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=5) as http:
-        response = await http.get(f"http://127.0.0.1:{port}/readyz")
-        return response.status_code, response.json()
-
-
 async def metric(port: int, name: str) -> float:
     async with httpx.AsyncClient(timeout=5) as http:
         text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
@@ -158,7 +150,7 @@ async def test_workers_consume_again_after_redis_comes_back_empty(
                 await eventually(lambda: all_terminal(redis, keys, ids), 20, every=0.1)
                 took = time.monotonic() - began
                 for port in ports:
-                    await eventually(partial(_ready, port), 10)
+                    await eventually(partial(is_ready, port), 10)
                 missing = sum(
                     [await metric(port, "chatstream_jobs_missing_total") for port in ports]
                 )
@@ -181,44 +173,3 @@ async def test_workers_consume_again_after_redis_comes_back_empty(
 
 async def _some_running(redis: Redis, keys: Keys, ids: list[str]) -> bool:
     return "running" in await statuses(redis, keys, ids)
-
-
-async def _ready(port: int) -> bool:
-    return (await readiness(port))[0] == 200
-
-
-async def test_readyz_is_503_while_the_worker_cannot_read_its_queue(
-    settings: Settings, redis: Redis, mock_upstream: tuple[Any, str]
-) -> None:
-    """Redis answers PING, but the queue cannot be read (here: its key clobbered with a
-    string): not ready, saying why. Once the key is gone the worker recreates its group and
-    runs jobs again."""
-    _, url = mock_upstream
-    settings = settings.model_copy(update={"upstream_url": url, "metrics_port": 0})
-    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
-    worker = Worker(settings, redis)
-    await worker.startup()
-    consuming = asyncio.create_task(worker.consume())
-    try:
-        assert worker.http is not None
-        port = worker.http.port
-        await eventually(lambda: _ready(port))
-        await redis.delete(keys.queue)
-        await redis.set(keys.queue, "not a stream")
-        await eventually(lambda: _not_ready(port))
-        status, body = await readiness(port)
-        assert status == 503
-        assert body["reason"].startswith("cannot read the queue: ResponseError: WRONGTYPE")
-        await redis.delete(keys.queue)
-        job_id = await client.enqueue(chat("after"))
-        record = await client.result(job_id, timeout=10)
-        assert record.status == "succeeded"
-        await eventually(lambda: _ready(port))
-    finally:
-        consuming.cancel()
-        await asyncio.gather(consuming, return_exceptions=True)
-        await worker.shutdown()
-
-
-async def _not_ready(port: int) -> bool:
-    return (await readiness(port))[0] == 503

@@ -19,7 +19,6 @@ gateway as well.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +28,14 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from redis.asyncio import Redis
 
 from schemas.jobs import EXTRAS
-from tests.helpers.gateway_env import KEY, GatewayEnv, running_gateway
+from tests.helpers.gateway_env import (
+    KEY,
+    SCRIPT_USAGE,
+    GatewayEnv,
+    delta,
+    openai_chunk,
+    running_gateway,
+)
 from worker.settings import Settings
 from worker.testing.mock_upstream import MockUpstream
 
@@ -51,27 +57,6 @@ TOOLS: list[Any] = [
 # -- scripted streams, shaped like OpenAI's --------------------------------------------------
 
 
-def openai_chunk(*choices: dict[str, Any], **top: Any) -> str:
-    body = {
-        "id": "chatcmpl-script",
-        "object": "chat.completion.chunk",
-        "created": 1751299200,
-        "model": "mock-model",
-        "service_tier": "default",
-        "system_fingerprint": "fp_script",
-        "choices": list(choices),
-        "usage": None,
-        "obfuscation": "Xk2",
-        **top,
-    }
-    return json.dumps(body, ensure_ascii=False)
-
-
-def delta(index: int, finish: str | None = None, **fields: Any) -> dict[str, Any]:
-    return {"index": index, "delta": fields, "logprobs": None, "finish_reason": finish}
-
-
-SCRIPT_USAGE = {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}
 REFUSAL = [
     openai_chunk(delta(0, role="assistant", content=None, refusal="")),
     openai_chunk(delta(0, refusal="I'm sorry,")),

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_tls import make_certs
+from tests.helpers.tls import make_certs
 from worker.errors import ConfigError, RetryableUpstreamError, UpstreamTimeoutError
 from worker.settings import Settings
 from worker.speedups import chosen_transport

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from tests.helpers.harness import Harness, chat, custom_harness, inject
 from tests.helpers.servers import free_port
-from tests.test_security import echo_server
+from tests.unit.test_security import echo_server
 from worker import logs, speedups
 from worker.service.runtime import RuntimeChoices, runtime_choices
 from worker.service.worker import Worker
