@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING
 import pytest
 from redis.asyncio import Redis
 
+from tests.helpers.fleet import Fleet
 from tests.helpers.harness import MOCK, Harness
 from tests.helpers.servers import (
     REDIS_PASSWORD,
     AuthRedisServer,
     RedisServer,
     auth_server,
+    needs_redis_server,
     redis_executable,
 )
 from tests.helpers.tls import TLSRedisServer, TLSSetup, make_certs
@@ -128,6 +130,22 @@ async def harness(
     await worker.startup()
     yield Harness(settings, redis, app, worker, Client.from_settings(settings, redis))
     await worker.shutdown()
+
+
+@pytest.fixture
+async def fleet(
+    redis_server: RedisServer | None,
+    redis: RedisClient,
+    prefix: str,
+    mock_upstream: tuple[MockUpstream, str],
+    tmp_path: Path,
+) -> AsyncIterator[Fleet]:
+    """``chatstream worker`` subprocesses on the session's redis-server, the test's prefix and
+    the mock upstream (tests/helpers/fleet.py); any still running at the end are killed."""
+    server = needs_redis_server(redis_server)
+    mock, url = mock_upstream
+    async with Fleet.session(tmp_path, redis, server.url, prefix, url, mock=mock) as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")

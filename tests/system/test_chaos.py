@@ -30,8 +30,9 @@ from tests.helpers.checks import (
     statuses,
     stream_entries,
 )
+from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
-from tests.helpers.processes import WorkerProcesses, mock_process, worker_env
+from tests.helpers.processes import mock_process
 from tests.helpers.servers import RedisServer, needs_redis_server
 from worker.client import Client
 from worker.settings import Settings
@@ -118,12 +119,14 @@ async def test_jobs_survive_workers_killed_every_few_seconds(
     heartbeat stops, not when its leases expire. Reports the time from each kill until the
     jobs that were running there produce output again."""
     server = needs_redis_server(redis_server)
-    keys, client = Keys(prefix), Client(redis, prefix=prefix)
     rng = random.Random(1234)
     killed: list[Killed] = []
     kills = 0
-    async with mock_process(tmp_path) as url:
-        env = worker_env(
+    async with (
+        mock_process(tmp_path) as url,
+        Fleet.session(
+            tmp_path,
+            redis,
             server.url,
             prefix,
             url,
@@ -131,32 +134,29 @@ async def test_jobs_survive_workers_killed_every_few_seconds(
             concurrency=32,
             shutdown_grace_seconds=5,
             log_level="WARNING",
-        )
-        async with WorkerProcesses.session(tmp_path, env) as group:
-            live = [group.spawn() for _ in range(WORKERS)]
-            for process in live:
-                await group.ready(process, redis, keys)
-            await asyncio.sleep(3.5)  # they beat for the timeout: they judge each other
-            requests = [chaos_request(i) for i in range(JOBS)]
-            ids = [f"chaos-{i}" for i in range(JOBS)]
-            arriving = asyncio.create_task(arrive(client, requests, ids))
-            started = time.monotonic()
-            while not (arriving.done() and await all_terminal(redis, keys, ids)):
-                if time.monotonic() - started > 150:
-                    raise AssertionError(
-                        f"jobs did not finish: {await unfinished(redis, keys, ids)}"
-                    )
-                await asyncio.sleep(KILL_EVERY)
-                victim = live.pop(rng.randrange(len(live)))
-                os.kill(victim.pid, signal.SIGKILL)
-                victim.wait()
-                killed += await running_on(redis, keys, victim, time.time())
-                kills += 1
-                live.append(group.spawn())
-            elapsed = time.monotonic() - started
-            for process in live:
-                await group.ready(process, redis, keys)  # its signal handlers are set
-            await group.stop(live)
+        ) as fleet,
+    ):
+        keys, client = fleet.keys, fleet.client
+        live = await fleet.start(WORKERS)
+        await asyncio.sleep(3.5)  # they beat for the timeout: they judge each other
+        requests = [chaos_request(i) for i in range(JOBS)]
+        ids = [f"chaos-{i}" for i in range(JOBS)]
+        arriving = asyncio.create_task(arrive(client, requests, ids))
+        started = time.monotonic()
+        while not (arriving.done() and await all_terminal(redis, keys, ids)):
+            if time.monotonic() - started > 150:
+                raise AssertionError(f"jobs did not finish: {await unfinished(redis, keys, ids)}")
+            await asyncio.sleep(KILL_EVERY)
+            victim = live.pop(rng.randrange(len(live)))
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait()
+            killed += await running_on(redis, keys, victim, time.time())
+            kills += 1
+            live.append(fleet.spawn())
+        elapsed = time.monotonic() - started
+        for process in live:
+            await fleet.ready(process)  # its signal handlers are set
+        await fleet.stop(live)
     records = await check_all(redis, keys, requests, ids)
     attempts = Counter(record.attempt for record in records)
     measured = [await output_again_after(redis, keys, k) for k in killed]
@@ -203,29 +203,34 @@ async def test_jobs_survive_redis_restarts(
     """Redis (AOF, fsync always) restarted twice under load: the workers ride it out
     (reconnect with backoff, reload scripts, resubscribe) and every job finishes; the
     delta sequence numbers keep retried writes from duplicating content."""
-    keys = Keys(prefix)
     settings = Settings(_env_file=None, redis_url=aof_server.url, prefix=prefix)
     redis = redis_from_settings(settings)  # the production client: retries with backoff
-    client = Client(redis, prefix=prefix)
     jobs = 240
     try:
-        async with mock_process(tmp_path) as url:
-            env = worker_env(
-                aof_server.url, prefix, url, lease_seconds=30, concurrency=40, log_level="INFO"
-            )
-            async with WorkerProcesses.session(tmp_path, env) as group:
-                workers = [group.spawn() for _ in range(2)]
-                for process in workers:
-                    await group.ready(process, redis, keys)
-                requests = [outage_request(i) for i in range(jobs)]
-                ids = [await client.enqueue(r, job_id=f"out-{i}") for i, r in enumerate(requests)]
-                # a blip redis-py's own retries absorb, then an outage longer than them
-                for fraction, down_for in ((0.2, 1.0), (0.5, 8.0)):
-                    await _until_done(redis, keys, ids, fraction)
-                    await _restart(aof_server, down_for)
-                await eventually(lambda: all_terminal(redis, keys, ids), 90, every=0.2)
-                assert all(p.poll() is None for p in workers), group.output()
-                output = await group.stop(workers)
+        async with (
+            mock_process(tmp_path) as url,
+            Fleet.session(
+                tmp_path,
+                redis,
+                aof_server.url,
+                prefix,
+                url,
+                lease_seconds=30,
+                concurrency=40,
+                log_level="INFO",
+            ) as fleet,
+        ):
+            keys, client = fleet.keys, fleet.client
+            workers = await fleet.start(2)
+            requests = [outage_request(i) for i in range(jobs)]
+            ids = [await client.enqueue(r, job_id=f"out-{i}") for i, r in enumerate(requests)]
+            # a blip redis-py's own retries absorb, then an outage longer than them
+            for fraction, down_for in ((0.2, 1.0), (0.5, 8.0)):
+                await _until_done(redis, keys, ids, fraction)
+                await _restart(aof_server, down_for)
+            await eventually(lambda: all_terminal(redis, keys, ids), 90, every=0.2)
+            assert all(p.poll() is None for p in workers), fleet.output()
+            output = await fleet.stop(workers)
         assert "WARNING" in output  # the outages did reach the workers
         records = await check_all(redis, keys, requests, ids)
         assert all(record.attempt == 1 for record in records)  # no lease ran out

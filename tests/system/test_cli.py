@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -27,9 +27,10 @@ from redis.asyncio import Redis
 
 from tests.helpers.checks import check_stream, stream_entries
 from tests.helpers.fakes import silent_server
+from tests.helpers.fleet import Fleet
 from tests.helpers.harness import MOCK, chat
-from tests.helpers.processes import CHATSTREAM, clean_env, spawn_worker, stop_worker
-from tests.helpers.servers import RedisServer, free_port
+from tests.helpers.processes import CHATSTREAM, clean_env, stop_worker
+from tests.helpers.servers import free_port
 from worker import speedups
 from worker.cli.demo import DEMO_REPLY
 from worker.client import Client
@@ -70,12 +71,16 @@ async def run_chatstream(
 
 @dataclass
 class Cli:
-    env: dict[str, str]
+    fleet: Fleet  # its environment is the commands' too
     cwd: Path
     prefix: str
     redis: Redis
     mock: MockUpstream
     cores: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CORES))
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.fleet.env
 
     @property
     def keys(self) -> Keys:
@@ -103,58 +108,22 @@ class Cli:
         environment = {**self.env, **(env or {})}
         return await run_chatstream(args, environment, self.cwd, self.cores, timeout)
 
-    def popen_worker(self, log: IO[bytes], *args: str) -> subprocess.Popen[bytes]:
-        return spawn_worker(self.env, self.cwd, log, *args)
+
+@pytest.fixture
+async def cli(fleet: Fleet, redis: Redis, prefix: str, tmp_path: Path) -> Cli:
+    """Commands with the environment of the test's workers (``fleet``)."""
+    fleet.configure(block_ms=200, shutdown_grace_seconds=5)
+    return Cli(fleet, tmp_path, prefix, redis, fleet.mock)
 
 
 @pytest.fixture
-async def cli(
-    redis_server: RedisServer | None,
-    redis: Redis,
-    prefix: str,
-    mock_upstream: tuple[MockUpstream, str],
-    tmp_path: Path,
-) -> Cli:
-    if redis_server is None:
-        pytest.skip("the CLI tests need a real redis-server")
-    mock, url = mock_upstream
-    env = {
-        **clean_env(),
-        "CHATSTREAM_REDIS_URL": redis_server.url,
-        "CHATSTREAM_PREFIX": prefix,
-        "CHATSTREAM_UPSTREAM_URL": url,
-        "CHATSTREAM_BLOCK_MS": "200",
-        "CHATSTREAM_SHUTDOWN_GRACE_SECONDS": "5",
-        "CHATSTREAM_RETRY_INITIAL_BACKOFF": "0.01",
-        "CHATSTREAM_RETRY_MAX_BACKOFF": "0.05",
-    }
-    return Cli(env, tmp_path, prefix, redis, mock)
-
-
-async def wait_for_worker(cli: Cli, process: subprocess.Popen[bytes], timeout: float = 15) -> None:
-    """Until the worker process wrote its first heartbeat (it consumes from then on)."""
-    async with asyncio.timeout(timeout):
-        while not await cli.redis.zcard(cli.keys.workers):
-            assert process.poll() is None, "the worker exited during start-up"
-            await asyncio.sleep(0.05)
-
-
-@pytest.fixture
-async def worker(cli: Cli, tmp_path: Path) -> AsyncIterator[subprocess.Popen[bytes]]:
+async def worker(cli: Cli) -> AsyncIterator[subprocess.Popen[bytes]]:
     """A ``chatstream worker`` subprocess; stopped with SIGTERM, it must exit 0 at once."""
-    log_path = tmp_path / "worker.log"
-    with log_path.open("wb") as log:
-        process = cli.popen_worker(log)
-        try:
-            await wait_for_worker(cli, process)
-            yield process
-            if process.poll() is None:
-                assert await stop_worker(process) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    output = log_path.read_text()
+    [process] = await cli.fleet.start()
+    yield process
+    if process.poll() is None:
+        await cli.fleet.stop([process], timeout=5)
+    output = cli.fleet.output()
     assert "Traceback" not in output, output
     assert process.returncode == 0, output
 
@@ -588,28 +557,21 @@ async def test_usage_errors_name_the_problem(cli: Cli) -> None:
 # -- worker lifecycle, demo ---------------------------------------------------------------
 
 
-async def test_worker_exits_0_on_sigterm_after_finishing_its_job(cli: Cli, tmp_path: Path) -> None:
-    with (tmp_path / "w.log").open("wb") as log:
-        process = cli.popen_worker(log, "--concurrency", "4")
-        try:
-            await wait_for_worker(cli, process)
-            job_id = await cli.client.enqueue(chat("finish me", tokens=40, rate=40))
-            async for event in cli.client.events(job_id, block_ms=100):
-                assert event.type.value == "delta"
-                break
-            loop = asyncio.get_running_loop()
-            began = loop.time()
-            assert await stop_worker(process, timeout=8) == 0
-            assert loop.time() - began < 8
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+async def test_worker_exits_0_on_sigterm_after_finishing_its_job(cli: Cli) -> None:
+    [process] = await cli.fleet.start(1, "--concurrency", "4")
+    job_id = await cli.client.enqueue(chat("finish me", tokens=40, rate=40))
+    async for event in cli.client.events(job_id, block_ms=100):
+        assert event.type.value == "delta"
+        break
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    assert await stop_worker(process, timeout=8) == 0
+    assert loop.time() - began < 8
     record = await cli.client.get(job_id)
     assert record.status == "succeeded"  # the grace period let the running job finish
     assert record.content == expected_reply(chat(tokens=40), MOCK)
     assert await cli.redis.zcard(cli.keys.workers) == 0  # it left the worker set
-    log_text = (tmp_path / "w.log").read_text()
+    log_text = cli.fleet.logs[-1].read_text()
     assert "Traceback" not in log_text
     assert "shutting down gracefully" in log_text
     redis_at = urlsplit(cli.env["CHATSTREAM_REDIS_URL"]).netloc

@@ -45,8 +45,9 @@ from tests.helpers.checks import (
     queue_is_drained,
     stream_entries,
 )
+from tests.helpers.fleet import Fleet
 from tests.helpers.harness import MOCK_PROCESS, chat
-from tests.helpers.processes import WorkerProcesses, mock_process, worker_env
+from tests.helpers.processes import mock_process
 from worker.client import Client
 from worker.errors import ChatstreamError
 from worker.settings import Settings
@@ -123,26 +124,25 @@ async def run_with_fault(
     a third of the way in; every job ends, the queue drains."""
     config = Settings(_env_file=None, redis_url=url, prefix=prefix, queue_shards=SHARDS, **settings)
     redis = await connect(config)
-    client = Client.from_settings(config, redis)
-    keys = Keys(prefix, SHARDS)
+    client = Client.from_settings(config, redis)  # waits for replicas as ``settings`` say
     ids = [f"fo-{i}" for i in range(JOBS)]
     began = time.monotonic()
     try:
-        async with mock_process(tmp_path) as upstream:
-            env = worker_env(
-                url, prefix, upstream, queue_shards=SHARDS, lease_seconds=5, concurrency=32,
-                **settings,
-            )  # fmt: skip
-            async with WorkerProcesses.session(tmp_path, env) as group:
-                workers = [group.spawn() for _ in range(2)]
-                for process in workers:
-                    await group.ready(process, redis, keys)
-                arriving = asyncio.create_task(produce(client, ids))
-                await asyncio.sleep(JOBS / ARRIVALS_PER_SECOND / 3)
-                await asyncio.to_thread(fault)
-                await arriving
-                await finish(redis, keys, ids, group)
-                output = await group.stop(workers, 20)
+        async with (
+            mock_process(tmp_path) as upstream,
+            Fleet.session(
+                tmp_path, redis, url, prefix, upstream, shards=SHARDS, lease_seconds=5,
+                concurrency=32, **settings,
+            ) as fleet,
+        ):  # fmt: skip
+            keys = fleet.keys
+            workers = await fleet.start(2)
+            arriving = asyncio.create_task(produce(client, ids))
+            await asyncio.sleep(JOBS / ARRIVALS_PER_SECOND / 3)
+            await asyncio.to_thread(fault)
+            await arriving
+            await finish(redis, keys, ids, fleet)
+            output = await fleet.stop(workers, 20)
         records = [
             await check(redis, keys, client, index, job_id) for index, job_id in enumerate(ids)
         ]
@@ -155,13 +155,13 @@ async def finish(
     redis: RedisClient,
     keys: Keys,
     ids: list[str],
-    group: WorkerProcesses,
+    fleet: Fleet,
 ) -> None:
     try:
         await eventually(lambda: all_terminal(redis, keys, ids), 90, every=0.25)
         await eventually(lambda: drained(redis, keys), 60, every=0.25)
     except TimeoutError:
-        raise AssertionError(f"jobs or queue unfinished\n{group.output()}") from None
+        raise AssertionError(f"jobs or queue unfinished\n{fleet.output()}") from None
 
 
 async def drained(redis: RedisClient, keys: Keys) -> bool:

@@ -11,12 +11,13 @@ import httpx
 import pytest
 
 from tests.helpers.checks import eventually
+from tests.helpers.fleet import Fleet
 from tests.helpers.gateway_env import KEY
 from tests.helpers.harness import MOCK, chat
-from tests.helpers.processes import CHATSTREAM, clean_env, worker_env
-from tests.helpers.servers import RedisServer, free_port, needs_redis_server
+from tests.helpers.processes import CHATSTREAM, clean_env
+from tests.helpers.servers import free_port
 from worker.cli.demo import DEMO_REPLY
-from worker.testing.mock_upstream import MockUpstream, expected_reply
+from worker.testing.mock_upstream import expected_reply
 
 
 async def run(*args: str, env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
@@ -43,19 +44,13 @@ async def test_the_gateway_will_not_start_without_api_keys(tmp_path: Path) -> No
     ]
 
 
-async def test_the_gateway_command_serves_until_sigterm(
-    redis_server: RedisServer | None,
-    prefix: str,
-    mock_upstream: tuple[MockUpstream, str],
-    tmp_path: Path,
-) -> None:
-    server = needs_redis_server(redis_server)
+async def test_the_gateway_command_serves_until_sigterm(fleet: Fleet, tmp_path: Path) -> None:
     port = free_port()
-    env = worker_env(server.url, prefix, mock_upstream[1], gateway_api_keys=KEY)
+    fleet.configure(gateway_api_keys=KEY)
     log_path = tmp_path / "gateway.log"
-    worker = spawn(["worker"], env, tmp_path, tmp_path / "worker.log")
+    fleet.spawn()  # the worker behind the gateway
     gateway = spawn(
-        ["gateway", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path, log_path
+        ["gateway", "--host", "127.0.0.1", "--port", str(port)], fleet.env, tmp_path, log_path
     )
     try:
         async with httpx.AsyncClient(
@@ -76,10 +71,9 @@ async def test_the_gateway_command_serves_until_sigterm(
         gateway.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(gateway.wait, 10) == 0
     finally:
-        for process in (gateway, worker):
-            if process.poll() is None:
-                process.kill()
-            process.wait()
+        if gateway.poll() is None:
+            gateway.kill()
+        gateway.wait()
     log = log_path.read_text()
     assert f"gateway listening on http://127.0.0.1:{port}" in log
     assert "Traceback" not in log and KEY not in log

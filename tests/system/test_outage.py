@@ -24,8 +24,9 @@ import pytest
 from redis.asyncio import Redis
 
 from tests.helpers.checks import all_terminal, check_stream, eventually, stream_entries
+from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
-from tests.helpers.processes import WorkerProcesses, stop_worker, worker_env
+from tests.helpers.processes import stop_worker
 from tests.helpers.servers import RedisServer, free_port, needs_redis_server
 from worker.client import Client
 from worker.store.keys import Keys
@@ -99,17 +100,25 @@ async def test_a_minute_long_upstream_outage_fails_no_job_and_starves_none(
     redis_server: RedisServer | None, redis: Redis, prefix: str, tmp_path: Path
 ) -> None:
     server = needs_redis_server(redis_server)
-    keys, client = Keys(prefix), Client(redis, prefix=prefix)
     ports = [free_port() for _ in range(WORKERS)]
     async with AsyncExitStack() as stack, upstreams(stack) as ups:
-        env = worker_env(server.url, prefix, ups["healthy"][1], concurrency=CONCURRENCY)
+        fleet = await stack.enter_async_context(
+            Fleet.session(
+                tmp_path,
+                redis,
+                server.url,
+                prefix,
+                ups["healthy"][1],
+                concurrency=CONCURRENCY,
+                upstreams=json.dumps({n: {"url": url} for n, (_, url) in ups.items()}),
+            )
+        )
         for name in ("RETRY_INITIAL_BACKOFF", "RETRY_MAX_BACKOFF"):  # the defaults, please
-            del env[f"CHATSTREAM_{name}"]
-        env["CHATSTREAM_UPSTREAMS"] = json.dumps({n: {"url": url} for n, (_, url) in ups.items()})
-        group = await stack.enter_async_context(WorkerProcesses.session(tmp_path, env))
-        workers = [group.spawn(metrics_port=port) for port in ports]
+            del fleet.env[f"CHATSTREAM_{name}"]
+        keys, client = fleet.keys, fleet.client
+        workers = [fleet.spawn(metrics_port=port) for port in ports]
         for process in workers:
-            await group.ready(process, redis, keys)
+            await fleet.ready(process)
 
         began = time.monotonic()
         jobs: Jobs = {name: [] for name in ups}
@@ -131,7 +140,7 @@ async def test_a_minute_long_upstream_outage_fails_no_job_and_starves_none(
         recovered = time.monotonic() - back
         gauges = [await metrics_of(port) for port in ports]
         codes = [await stop_worker(process, 15) for process in workers]
-        output = group.output()
+        output = fleet.output()
 
     assert codes == [0] * WORKERS, output
     await check_all_succeeded_once(redis, keys, client, jobs)

@@ -32,8 +32,9 @@ from tests.helpers.checks import (
     status_of,
     stream_entries,
 )
+from tests.helpers.fleet import Fleet
 from tests.helpers.harness import MOCK, chat, consuming
-from tests.helpers.processes import CHATSTREAM, WorkerProcesses, clean_env, stop_worker, worker_env
+from tests.helpers.processes import CHATSTREAM, clean_env, stop_worker
 from tests.helpers.servers import RedisServer, needs_redis_server
 from worker.aio import cancel_and_wait
 from worker.client import Client
@@ -42,6 +43,7 @@ from worker.settings import Settings
 from worker.store.keys import GROUP, Keys
 from worker.store.queue import Queue
 from worker.store.records import Records
+from worker.store.redis_client import RedisClient
 from worker.testing.mock_upstream import MockUpstream, expected_reply
 
 # one at a time on one test process: their workers' leases and heartbeats run on real clocks
@@ -51,34 +53,27 @@ pytestmark = pytest.mark.xdist_group("worker-processes")
 
 
 async def test_a_killed_workers_job_is_reclaimed_after_the_lease_and_rerun_with_a_reset(
-    redis_server: RedisServer | None,
-    settings: Settings,
-    redis: Redis,
-    mock_upstream: tuple[MockUpstream, str],
-    tmp_path: Path,
+    fleet: Fleet, settings: Settings
 ) -> None:
-    server = needs_redis_server(redis_server)
-    mock, url = mock_upstream
+    redis, keys, client = fleet.redis, fleet.keys, fleet.client
     lease = 2.0
-    keys, client = Keys(settings.prefix), Client(redis, prefix=settings.prefix)
-    env = worker_env(server.url, settings.prefix, url, lease_seconds=lease)
     request = chat("doomed", tokens=60, rate=30, key="doomed")  # about 2 s
-    async with WorkerProcesses.session(tmp_path, env) as group:
-        doomed = group.spawn()
-        await group.ready(doomed, redis, keys)
-        job_id = await client.enqueue(request)
+    [doomed] = await fleet.start(lease_seconds=lease)
+    job_id = await client.enqueue(request)
 
-        async def some_deltas() -> bool:
-            return len(await stream_entries(redis, keys, job_id)) >= 3
+    async def some_deltas() -> bool:
+        return len(await stream_entries(redis, keys, job_id)) >= 3
 
-        await eventually(some_deltas)
-        os.kill(doomed.pid, signal.SIGKILL)
-        doomed.wait()
-        killed_at = time.time()
-        rescuer_settings = settings.model_copy(update={"upstream_url": url, "lease_seconds": lease})
-        rescuer = Worker(rescuer_settings, redis)
-        async with consuming(rescuer):
-            record = await client.result(job_id, timeout=20)
+    await eventually(some_deltas)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait()
+    killed_at = time.time()
+    rescuer_settings = settings.model_copy(
+        update={"upstream_url": fleet.upstream_url, "lease_seconds": lease}
+    )
+    rescuer = Worker(rescuer_settings, redis)
+    async with consuming(rescuer):
+        record = await client.result(job_id, timeout=20)
 
     events = await stream_entries(redis, keys, job_id)
     check_stream(events, record)
@@ -94,7 +89,7 @@ async def test_a_killed_workers_job_is_reclaimed_after_the_lease_and_rerun_with_
     # taken over only once the lease ran out: the last renewal was at most lease/3 ago
     reclaimed_at = int(reset.id.split("-")[0]) / 1000
     assert lease * 2 / 3 - 0.2 <= reclaimed_at - killed_at <= lease + 2.0
-    assert mock.key_requests["doomed"] == 2
+    assert fleet.mock.key_requests["doomed"] == 2
     assert await queue_is_drained(redis, keys)
 
 
@@ -195,19 +190,19 @@ def check_exact(request: dict[str, Any], record: JobRecord, events: list[StreamE
     assert [e.type for e in events].count(EventType.RESET) == record.attempt - 1, record.id
 
 
-async def consumer_of(redis: Redis, keys: Keys, process: Any) -> str:
+async def consumer_of(redis: RedisClient, keys: Keys, process: Any) -> str:
     """The consumer (worker) name of a ``chatstream worker`` process."""
     names = await redis.zrange(keys.workers, 0, -1)
     [name] = [str(n) for n in names if f"-{process.pid}-" in str(n)]
     return name
 
 
-async def entries_of(redis: Redis, keys: Keys, consumer: str) -> list[str]:
+async def entries_of(redis: RedisClient, keys: Keys, consumer: str) -> list[str]:
     rows: Any = await redis.xpending_range(keys.queue, GROUP, "-", "+", 1000, consumer)
     return [str(row["message_id"]) for row in rows]
 
 
-async def jobs_running_on(redis: Redis, keys: Keys, consumer: str) -> dict[str, int]:
+async def jobs_running_on(redis: RedisClient, keys: Keys, consumer: str) -> dict[str, int]:
     """Job id -> attempt of the jobs whose record says ``consumer`` runs them."""
     found: dict[str, int] = {}
     for entry_id in await entries_of(redis, keys, consumer):
@@ -233,12 +228,7 @@ FROZEN_FOR = 11.0  # past the heartbeat timeout and two short leases
 @pytest.mark.slow
 @pytest.mark.parametrize("lease", [5.0, 30.0], ids=["freeze-of-two-leases", "default-lease"])
 async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
-    redis_server: RedisServer | None,
-    redis: Redis,
-    prefix: str,
-    mock_upstream: tuple[MockUpstream, str],
-    tmp_path: Path,
-    lease: float,
+    fleet: Fleet, lease: float
 ) -> None:
     """Three workers, jobs arriving every 50 ms; one is frozen (SIGSTOP) for 11 s, which is
     past its heartbeat timeout (4 s here) and, with the short lease (5 s), two leases. A
@@ -251,19 +241,7 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
     queue read is served while it is frozen. The jobs it ran are taken over once (attempt 2);
     when it wakes it starts nothing from its late read and supersedes no live attempt: every
     other job runs once, attempt 1, one upstream call."""
-    server = needs_redis_server(redis_server)
-    mock, url = mock_upstream
-    keys, client = Keys(prefix), Client(redis, prefix=prefix)
-    # the default block: a read stays blocked (and is served while frozen) for up to 2 s
-    env = worker_env(
-        server.url,
-        prefix,
-        url,
-        lease_seconds=lease,
-        heartbeat_timeout=FROZEN_HEARTBEAT_TIMEOUT,
-        concurrency=16,
-        block_ms=2000,
-    )
+    redis, keys, client = fleet.redis, fleet.keys, fleet.client
     requests: list[dict[str, Any]] = []
     ids: list[str] = []
     flowing = asyncio.Event()
@@ -277,36 +255,40 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
             requests.append(request)
             await asyncio.sleep(0.05)
 
-    async with WorkerProcesses.session(tmp_path, env) as group:
-        workers = [group.spawn() for _ in range(3)]
-        for process in workers:
-            await group.ready(process, redis, keys)
-        await asyncio.sleep(FROZEN_HEARTBEAT_TIMEOUT + 0.5)  # then workers judge each other
-        arriving = asyncio.create_task(keep_enqueueing())
-        await asyncio.sleep(2)
-        victim = workers[0]
-        name = await consumer_of(redis, keys, victim)
-        flowing.clear()
-        await asyncio.sleep(0.3)  # no entry for a while: every worker blocks in its read
-        os.kill(victim.pid, signal.SIGSTOP)
-        frozen_at_ms = int(time.time() * 1000)
-        await asyncio.sleep(0.05)  # a start it sent just before is applied by now
-        was_running = await jobs_running_on(redis, keys, name)
-        flowing.set()  # the next entries go to the blocked reads in turn, the frozen one's too
-        delivered_while_frozen: set[str] = set()  # job ids
-        for _ in range(int(FROZEN_FOR * 10)):
-            for entry_id in await entries_of(redis, keys, name):
-                if int(entry_id.split("-")[0]) > frozen_at_ms + 50:
-                    rows: Any = await redis.xrange(keys.queue, entry_id, entry_id)
-                    delivered_while_frozen.update(row[1]["job"] for row in rows)
-            await asyncio.sleep(0.1)
-        os.kill(victim.pid, signal.SIGCONT)
-        await asyncio.sleep(2)
-        await cancel_and_wait([arriving])  # (redis-py can swallow one cancel: see its doc)
-        await eventually(lambda: all_terminal(redis, keys, ids), 30, every=0.2)
-        codes = [await stop_worker(process, 15) for process in workers]
-        output = group.output()
-        live_output = "\n".join(log.read_text() for log in group.logs[1:])
+    # the default block: a read stays blocked (and is served while frozen) for up to 2 s
+    workers = await fleet.start(
+        3,
+        lease_seconds=lease,
+        heartbeat_timeout=FROZEN_HEARTBEAT_TIMEOUT,
+        concurrency=16,
+        block_ms=2000,
+    )
+    await asyncio.sleep(FROZEN_HEARTBEAT_TIMEOUT + 0.5)  # then workers judge each other
+    arriving = asyncio.create_task(keep_enqueueing())
+    await asyncio.sleep(2)
+    victim = workers[0]
+    name = await consumer_of(redis, keys, victim)
+    flowing.clear()
+    await asyncio.sleep(0.3)  # no entry for a while: every worker blocks in its read
+    os.kill(victim.pid, signal.SIGSTOP)
+    frozen_at_ms = int(time.time() * 1000)
+    await asyncio.sleep(0.05)  # a start it sent just before is applied by now
+    was_running = await jobs_running_on(redis, keys, name)
+    flowing.set()  # the next entries go to the blocked reads in turn, the frozen one's too
+    delivered_while_frozen: set[str] = set()  # job ids
+    for _ in range(int(FROZEN_FOR * 10)):
+        for entry_id in await entries_of(redis, keys, name):
+            if int(entry_id.split("-")[0]) > frozen_at_ms + 50:
+                rows: Any = await redis.xrange(keys.queue, entry_id, entry_id)
+                delivered_while_frozen.update(row[1]["job"] for row in rows)
+        await asyncio.sleep(0.1)
+    os.kill(victim.pid, signal.SIGCONT)
+    await asyncio.sleep(2)
+    await cancel_and_wait([arriving])  # (redis-py can swallow one cancel: see its doc)
+    await eventually(lambda: all_terminal(redis, keys, ids), 30, every=0.2)
+    codes = [await stop_worker(process, 15) for process in workers]
+    output = fleet.output()
+    live_output = "\n".join(log.read_text() for log in fleet.logs[1:])
     assert codes == [0, 0, 0], output
     assert "Traceback" not in output, output
     assert was_running, "the frozen worker ran no job"
@@ -316,7 +298,7 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
     for request, job_id in zip(requests, ids, strict=True):
         record = await client.get(job_id)
         check_exact(request, record, await stream_entries(redis, keys, job_id))
-        calls = mock.key_requests[request["mock"]["key"]]
+        calls = fleet.mock.key_requests[request["mock"]["key"]]
         if job_id in was_running:
             assert record.attempt <= 2 and calls == record.attempt, (job_id, record.attempt)
         else:  # includes the jobs delivered to the frozen worker: run once, by a live one
@@ -327,44 +309,33 @@ async def test_a_frozen_worker_woken_up_never_restarts_a_job_a_live_worker_runs(
 @pytest.mark.slow
 @pytest.mark.parametrize("stall", [1.0, 4.5], ids=["brief-stall", "stall-past-the-timeout"])
 async def test_a_stalled_worker_keeps_its_jobs_unless_it_stalls_past_the_heartbeat_timeout(
-    redis_server: RedisServer | None,
-    redis: Redis,
-    prefix: str,
-    mock_upstream: tuple[MockUpstream, str],
-    tmp_path: Path,
-    stall: float,
+    fleet: Fleet, stall: float
 ) -> None:
     """Default heartbeat settings (every 1 s, dead after 3 s). A worker whose event loop
     stalls for 1 s while streaming keeps its jobs: one attempt, one upstream call each. One
     that stalls for 4.5 s is declared dead and its jobs are rerun by the other worker; fencing
     keeps every result exact (the stalled attempts' late writes are refused)."""
-    server = needs_redis_server(redis_server)
-    mock, url = mock_upstream
-    keys, client = Keys(prefix), Client(redis, prefix=prefix)
-    env = worker_env(server.url, prefix, url)
-    async with WorkerProcesses.session(tmp_path, env) as group:
-        stalling = group.spawn()
-        await group.ready(stalling, redis, keys)
-        name = await consumer_of(redis, keys, stalling)
-        # 7 s: they still stream once the other worker had time to start judging
-        requests = [chat(f"s{i}", tokens=42, rate=6, key=f"s{i}") for i in range(4)]
-        ids = [await client.enqueue(request) for request in requests]
-        await eventually(lambda: _all_running(redis, keys, ids))
-        other = group.spawn()
-        await group.ready(other, redis, keys)
-        await asyncio.sleep(3.5)  # the other worker judges once it beat for the timeout
-        os.kill(stalling.pid, signal.SIGSTOP)
-        await asyncio.sleep(stall)
-        os.kill(stalling.pid, signal.SIGCONT)
-        assert await _all_running(redis, keys, ids)
-        await eventually(lambda: all_terminal(redis, keys, ids), 40, every=0.2)
-        codes = [await stop_worker(process, 15) for process in (stalling, other)]
-        output = group.output()
+    redis, keys, client = fleet.redis, fleet.keys, fleet.client
+    [stalling] = await fleet.start()
+    name = await consumer_of(redis, keys, stalling)
+    # 7 s: they still stream once the other worker had time to start judging
+    requests = [chat(f"s{i}", tokens=42, rate=6, key=f"s{i}") for i in range(4)]
+    ids = [await client.enqueue(request) for request in requests]
+    await eventually(lambda: _all_running(redis, keys, ids))
+    [other] = await fleet.start()
+    await asyncio.sleep(3.5)  # the other worker judges once it beat for the timeout
+    os.kill(stalling.pid, signal.SIGSTOP)
+    await asyncio.sleep(stall)
+    os.kill(stalling.pid, signal.SIGCONT)
+    assert await _all_running(redis, keys, ids)
+    await eventually(lambda: all_terminal(redis, keys, ids), 40, every=0.2)
+    codes = [await stop_worker(process, 15) for process in (stalling, other)]
+    output = fleet.output()
     assert codes == [0, 0], output
     for request, job_id in zip(requests, ids, strict=True):
         record = await client.get(job_id)
         check_exact(request, record, await stream_entries(redis, keys, job_id))
-        calls = mock.key_requests[request["mock"]["key"]]
+        calls = fleet.mock.key_requests[request["mock"]["key"]]
         if stall < 3:
             assert (record.attempt, record.worker, calls) == (1, name, 1), output
         else:
@@ -373,5 +344,5 @@ async def test_a_stalled_worker_keeps_its_jobs_unless_it_stalls_past_the_heartbe
     assert await queue_is_drained(redis, keys)
 
 
-async def _all_running(redis: Redis, keys: Keys, ids: list[str]) -> bool:
+async def _all_running(redis: RedisClient, keys: Keys, ids: list[str]) -> bool:
     return all([await status_of(redis, keys, job_id) == "running" for job_id in ids])

@@ -21,8 +21,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from tests.helpers.checks import all_terminal, check_all, eventually, is_ready, readiness, statuses
+from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
-from tests.helpers.processes import WorkerProcesses, mock_process, stop_worker, worker_env
+from tests.helpers.processes import mock_process, stop_worker
 from tests.helpers.servers import RedisServer, free_port
 from worker.client import Client
 from worker.store.keys import Keys
@@ -73,28 +74,29 @@ def squeezed_request(i: int) -> dict[str, Any]:
 async def test_streams_stay_gapless_while_redis_refuses_writes_at_maxmemory(
     own_redis: RedisServer, prefix: str, tmp_path: Path, seed: int
 ) -> None:
-    keys = Keys(prefix)
     redis = Redis.from_url(own_redis.url, decode_responses=True)
-    client = Client(redis, prefix=prefix)
     rng = random.Random(seed)
     jobs = 600
     try:
-        async with mock_process(tmp_path) as url:
-            env = worker_env(own_redis.url, prefix, url, concurrency=200, log_level="WARNING")
-            async with WorkerProcesses.session(tmp_path, env) as group:
-                for process in [group.spawn() for _ in range(2)]:
-                    await group.ready(process, redis, keys)
-                stop = asyncio.Event()
-                squeezing = asyncio.create_task(squeeze(redis, rng, stop))
-                requests = [squeezed_request(i) for i in range(jobs)]
-                ids = []
-                for i, request in enumerate(requests):  # jobs keep arriving meanwhile
-                    ids.append(await enqueue_refused_or_not(client, request, f"m{seed}-{i}"))
-                    await asyncio.sleep(0.002)
-                await eventually(lambda: all_terminal(redis, keys, ids), 120, every=0.2)
-                stop.set()
-                episodes = await squeezing
-                output = group.output()
+        async with (
+            mock_process(tmp_path) as url,
+            Fleet.session(
+                tmp_path, redis, own_redis.url, prefix, url, concurrency=200, log_level="WARNING"
+            ) as fleet,
+        ):
+            keys, client = fleet.keys, fleet.client
+            await fleet.start(2)
+            stop = asyncio.Event()
+            squeezing = asyncio.create_task(squeeze(redis, rng, stop))
+            requests = [squeezed_request(i) for i in range(jobs)]
+            ids = []
+            for i, request in enumerate(requests):  # jobs keep arriving meanwhile
+                ids.append(await enqueue_refused_or_not(client, request, f"m{seed}-{i}"))
+                await asyncio.sleep(0.002)
+            await eventually(lambda: all_terminal(redis, keys, ids), 120, every=0.2)
+            stop.set()
+            episodes = await squeezing
+            output = fleet.output()
         assert episodes >= 5
         assert "maxmemory" in output  # Redis did refuse the workers' writes
         assert "Traceback" not in output, output
@@ -121,42 +123,38 @@ async def test_workers_consume_again_after_redis_comes_back_empty(
     same port: the workers recreate the consumer group, reload their scripts and run the
     jobs enqueued afterwards within seconds; the running jobs whose records vanished are
     logged and counted once, not looped on; /readyz is 503 while Redis is away."""
-    keys = Keys(prefix)
     ports = [free_port(), free_port()]
     redis = Redis.from_url(own_redis.url, decode_responses=True)
-    client = Client(redis, prefix=prefix)
     try:
-        async with mock_process(tmp_path) as url:
-            env = worker_env(own_redis.url, prefix, url)
-            async with WorkerProcesses.session(tmp_path, env) as group:
-                workers = [group.spawn(metrics_port=port) for port in ports]
-                for process in workers:
-                    await group.ready(process, redis, keys)
-                lost = [
-                    await client.enqueue(chat(f"lost {i}", tokens=60, rate=20)) for i in range(8)
-                ]
-                await eventually(lambda: _some_running(redis, keys, lost))
-                await asyncio.to_thread(own_redis.kill)
-                for port in ports:
-                    status, body = await readiness(port)
-                    assert status == 503 and body["reason"].startswith("redis at "), body
-                await asyncio.to_thread(own_redis.start)  # same port, nothing in it
-                began = time.monotonic()
-                requests = [chat(f"after {i}", tokens=20, rate=100) for i in range(20)]
-                ids = [
-                    await enqueue_refused_or_not(client, r, f"after-{i}")
-                    for i, r in enumerate(requests)
-                ]
-                await eventually(lambda: all_terminal(redis, keys, ids), 20, every=0.1)
-                took = time.monotonic() - began
-                for port in ports:
-                    await eventually(partial(is_ready, port), 10)
-                missing = sum(
-                    [await metric(port, "chatstream_jobs_missing_total") for port in ports]
-                )
-                await asyncio.sleep(3)  # long enough for a loop to show in the logs
-                codes = [await stop_worker(process, 15) for process in workers]
-                output = group.output()
+        async with (
+            mock_process(tmp_path) as url,
+            Fleet.session(tmp_path, redis, own_redis.url, prefix, url) as fleet,
+        ):
+            keys, client = fleet.keys, fleet.client
+            workers = [fleet.spawn(metrics_port=port) for port in ports]
+            for process in workers:
+                await fleet.ready(process)
+            lost = [await client.enqueue(chat(f"lost {i}", tokens=60, rate=20)) for i in range(8)]
+            await eventually(lambda: _some_running(redis, keys, lost))
+            await asyncio.to_thread(own_redis.kill)
+            for port in ports:
+                status, body = await readiness(port)
+                assert status == 503 and body["reason"].startswith("redis at "), body
+            await asyncio.to_thread(own_redis.start)  # same port, nothing in it
+            began = time.monotonic()
+            requests = [chat(f"after {i}", tokens=20, rate=100) for i in range(20)]
+            ids = [
+                await enqueue_refused_or_not(client, r, f"after-{i}")
+                for i, r in enumerate(requests)
+            ]
+            await eventually(lambda: all_terminal(redis, keys, ids), 20, every=0.1)
+            took = time.monotonic() - began
+            for port in ports:
+                await eventually(partial(is_ready, port), 10)
+            missing = sum([await metric(port, "chatstream_jobs_missing_total") for port in ports])
+            await asyncio.sleep(3)  # long enough for a loop to show in the logs
+            codes = [await stop_worker(process, 15) for process in workers]
+            output = fleet.output()
         assert codes == [0, 0], output
         assert "Traceback" not in output, output
         await check_all(redis, keys, requests, ids)

@@ -12,11 +12,9 @@ import asyncio
 import signal
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-from redis.asyncio import Redis
 
 from schemas.events import EventType
 from tests.helpers.checks import (
@@ -27,12 +25,11 @@ from tests.helpers.checks import (
     queue_is_drained,
     stream_entries,
 )
+from tests.helpers.fleet import Fleet
 from tests.helpers.harness import MOCK, chat
-from tests.helpers.processes import WorkerProcesses, worker_env
-from tests.helpers.servers import RedisServer, needs_redis_server
-from worker.client import Client
 from worker.store.keys import Keys
-from worker.testing.mock_upstream import MockUpstream, expected_reply
+from worker.store.redis_client import RedisClient
+from worker.testing.mock_upstream import expected_reply
 
 
 def short_job(i: int) -> dict[str, Any]:
@@ -56,7 +53,7 @@ async def exit_code(process: subprocess.Popen[bytes], timeout: float) -> int:
     return await asyncio.to_thread(process.wait, timeout)
 
 
-async def all_running_on(redis: Redis, keys: Keys, ids: list[str], pid: int) -> bool:
+async def all_running_on(redis: RedisClient, keys: Keys, ids: list[str], pid: int) -> bool:
     pipe = redis.pipeline(transaction=False)
     for job_id in ids:
         pipe.hmget(keys.job(job_id), ["status", "worker", "seq"])
@@ -69,40 +66,30 @@ async def all_running_on(redis: Redis, keys: Keys, ids: list[str], pid: int) -> 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_a_signal_drains_the_worker_and_another_reruns_the_rest_at_once(
-    redis_server: RedisServer | None,
-    prefix: str,
-    redis: Redis,
-    mock_upstream: tuple[MockUpstream, str],
-    tmp_path: Path,
-    signum: signal.Signals,
+    fleet: Fleet, signum: signal.Signals
 ) -> None:
-    server = needs_redis_server(redis_server)
-    mock, url = mock_upstream
-    keys, client = Keys(prefix), Client(redis, prefix=prefix)
+    redis, keys, client = fleet.redis, fleet.keys, fleet.client
     lease, grace = 60, 1.5
-    env = worker_env(server.url, prefix, url, lease_seconds=lease, shutdown_grace_seconds=grace)
+    fleet.configure(lease_seconds=lease, shutdown_grace_seconds=grace)
     shorts = [short_job(i) for i in range(3)]
     longs = [long_job(i) for i in range(3)]
-    async with WorkerProcesses.session(tmp_path, env) as group:
-        leaving = group.spawn()
-        await group.ready(leaving, redis, keys)
-        short_ids = [await client.enqueue(r) for r in shorts]
-        long_ids = [await client.enqueue(r) for r in longs]
-        await eventually(lambda: all_running_on(redis, keys, short_ids + long_ids, leaving.pid))
-        staying = group.spawn()
-        await group.ready(staying, redis, keys)
+    [leaving] = await fleet.start()
+    short_ids = [await client.enqueue(r) for r in shorts]
+    long_ids = [await client.enqueue(r) for r in longs]
+    await eventually(lambda: all_running_on(redis, keys, short_ids + long_ids, leaving.pid))
+    [staying] = await fleet.start()
 
-        signalled = time.monotonic()
-        leaving.send_signal(signum)
-        assert await exit_code(leaving, timeout=grace + 8) == 0, group.output()
-        exited = time.monotonic() - signalled
-        records = [await client.result(job_id, timeout=20) for job_id in long_ids]
-        rerun = time.monotonic() - signalled
-        assert staying.poll() is None
-        staying.send_signal(signal.SIGTERM)
-        assert await exit_code(staying, timeout=10) == 0, group.output()
+    signalled = time.monotonic()
+    leaving.send_signal(signum)
+    assert await exit_code(leaving, timeout=grace + 8) == 0, fleet.output()
+    exited = time.monotonic() - signalled
+    records = [await client.result(job_id, timeout=20) for job_id in long_ids]
+    rerun = time.monotonic() - signalled
+    assert staying.poll() is None
+    staying.send_signal(signal.SIGTERM)
+    assert await exit_code(staying, timeout=10) == 0, fleet.output()
 
-    output = group.output()
+    output = fleet.output()
     assert "Traceback" not in output, output
     assert grace - 0.2 <= exited <= grace + 5, output  # waited for the grace period only
     assert rerun < 15, output  # at once: far from the 60 s lease
@@ -124,68 +111,48 @@ async def test_a_signal_drains_the_worker_and_another_reruns_the_rest_at_once(
         assert EventType.DELTA in types[: types.index(EventType.RESET)]  # attempt 1 had output
         assert {e.attempt for e in after_last_reset(events)} == {2}
         assert merge_deltas(events).content == record.content
-        assert mock.key_requests[f"long-{i}"] == 2
+        assert fleet.mock.key_requests[f"long-{i}"] == 2
     assert await queue_is_drained(redis, keys)
     assert await redis.zcard(keys.workers) == 0  # both left
 
 
 async def test_a_second_signal_exits_at_once_and_the_job_is_reclaimed_later(
-    redis_server: RedisServer | None,
-    prefix: str,
-    redis: Redis,
-    mock_upstream: tuple[MockUpstream, str],
-    tmp_path: Path,
+    fleet: Fleet,
 ) -> None:
-    server = needs_redis_server(redis_server)
-    mock, url = mock_upstream
-    keys, client = Keys(prefix), Client(redis, prefix=prefix)
+    redis, keys, client = fleet.redis, fleet.keys, fleet.client
     lease = 2
-    env = worker_env(server.url, prefix, url, lease_seconds=lease, shutdown_grace_seconds=30)
+    fleet.configure(lease_seconds=lease, shutdown_grace_seconds=30)
     request = long_job(0)
-    async with WorkerProcesses.session(tmp_path, env) as group:
-        impatient = group.spawn()
-        await group.ready(impatient, redis, keys)
-        job_id = await client.enqueue(request)
-        await eventually(lambda: all_running_on(redis, keys, [job_id], impatient.pid))
-        impatient.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.5)
-        assert impatient.poll() is None  # draining: the grace period is 30 s
-        signalled = time.monotonic()
-        impatient.send_signal(signal.SIGTERM)
-        code = await exit_code(impatient, timeout=5)
-        assert code != 0
-        assert time.monotonic() - signalled < 2
-        assert await redis.hget(keys.job(job_id), "status") == "running"  # not released
+    [impatient] = await fleet.start()
+    job_id = await client.enqueue(request)
+    await eventually(lambda: all_running_on(redis, keys, [job_id], impatient.pid))
+    impatient.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.5)
+    assert impatient.poll() is None  # draining: the grace period is 30 s
+    signalled = time.monotonic()
+    impatient.send_signal(signal.SIGTERM)
+    code = await exit_code(impatient, timeout=5)
+    assert code != 0
+    assert time.monotonic() - signalled < 2
+    assert await redis.hget(keys.job(job_id), "status") == "running"  # not released
 
-        rescuer = group.spawn(lease_seconds=lease)
-        await group.ready(rescuer, redis, keys)
-        record = await client.result(job_id, timeout=20)
-        rescuer.send_signal(signal.SIGTERM)
-        assert await exit_code(rescuer, timeout=10) == 0
-    assert "second signal" in group.output()
+    [rescuer] = await fleet.start(lease_seconds=lease)
+    record = await client.result(job_id, timeout=20)
+    rescuer.send_signal(signal.SIGTERM)
+    assert await exit_code(rescuer, timeout=10) == 0
+    assert "second signal" in fleet.output()
     assert (record.status, record.attempt) == ("succeeded", 2)
     assert record.content == expected_reply(request, MOCK)
     check_stream(await stream_entries(redis, keys, job_id), record)
-    assert mock.key_requests["long-0"] == 2
+    assert fleet.mock.key_requests["long-0"] == 2
     assert await queue_is_drained(redis, keys)
 
 
-async def test_an_idle_worker_blocked_on_the_queue_stops_at_once(
-    redis_server: RedisServer | None,
-    prefix: str,
-    redis: Redis,
-    mock_upstream: tuple[MockUpstream, str],
-    tmp_path: Path,
-) -> None:
-    server = needs_redis_server(redis_server)
-    _, url = mock_upstream
-    env = worker_env(server.url, prefix, url, block_ms=10_000)
-    async with WorkerProcesses.session(tmp_path, env) as group:
-        idle = group.spawn()
-        await group.ready(idle, redis, Keys(prefix))
-        await asyncio.sleep(0.3)  # inside its blocking XREADGROUP
-        signalled = time.monotonic()
-        idle.send_signal(signal.SIGTERM)
-        assert await exit_code(idle, timeout=5) == 0, group.output()
-        assert time.monotonic() - signalled < 2
-    assert "Traceback" not in group.output()
+async def test_an_idle_worker_blocked_on_the_queue_stops_at_once(fleet: Fleet) -> None:
+    [idle] = await fleet.start(block_ms=10_000)
+    await asyncio.sleep(0.3)  # inside its blocking XREADGROUP
+    signalled = time.monotonic()
+    idle.send_signal(signal.SIGTERM)
+    assert await exit_code(idle, timeout=5) == 0, fleet.output()
+    assert time.monotonic() - signalled < 2
+    assert "Traceback" not in fleet.output()

@@ -48,7 +48,10 @@ def alive(pid: int) -> bool:
 
 
 @dataclass
-class Fleet:
+class Supervised:
+    """``chatstream worker --processes N``: the supervisor process, and the Redis its
+    children work on."""
+
     process: asyncio.subprocess.Process
     redis: Redis
     keys: Keys
@@ -72,13 +75,13 @@ class Fleet:
 
 
 @pytest.fixture
-async def fleet(
+async def supervised(
     settings: Settings,
     redis: Redis,
     redis_server: RedisServer | None,
     mock_upstream: tuple[MockUpstream, str],
     tmp_path: Path,
-) -> AsyncIterator[Fleet]:
+) -> AsyncIterator[Supervised]:
     if redis_server is None:
         pytest.skip("worker processes need a real redis-server")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
@@ -100,11 +103,11 @@ async def fleet(
             stderr=out,
         )
     keys = Keys(settings.prefix)
-    fleet = Fleet(process, redis, keys, Client.from_settings(settings, redis), log)
+    supervised = Supervised(process, redis, keys, Client.from_settings(settings, redis), log)
     try:
-        yield fleet
+        yield supervised
     finally:
-        pids = await fleet.live_pids()
+        pids = await supervised.live_pids()
         if process.returncode is None:
             process.kill()
             await process.wait()
@@ -113,49 +116,51 @@ async def fleet(
                 os.kill(pid, signal.SIGKILL)
 
 
-async def test_a_killed_worker_is_restarted_and_its_jobs_complete(fleet: Fleet) -> None:
-    first = await fleet.wait_for_workers(2)
+async def test_a_killed_worker_is_restarted_and_its_jobs_complete(supervised: Supervised) -> None:
+    first = await supervised.wait_for_workers(2)
     assert len(first) == 2
-    jobs = [await fleet.client.enqueue(chat(f"k{i}", tokens=20, rate=20)) for i in range(6)]
+    jobs = [await supervised.client.enqueue(chat(f"k{i}", tokens=20, rate=20)) for i in range(6)]
 
     async def some_job_running() -> bool:
-        records = [await fleet.client.get(job) for job in jobs]
+        records = [await supervised.client.get(job) for job in jobs]
         return any(r.status == "running" and r.worker for r in records)
 
     await eventually(some_job_running)
-    running = [r for r in [await fleet.client.get(job) for job in jobs] if r.status == "running"]
+    running = [
+        r for r in [await supervised.client.get(job) for job in jobs] if r.status == "running"
+    ]
     victim = pid_of(running[0].worker or "")
     os.kill(victim, signal.SIGKILL)
 
     async def replaced() -> bool:
-        pids = await fleet.live_pids()
+        pids = await supervised.live_pids()
         return victim not in pids and len(pids) == 2 and bool(pids - first)
 
     await eventually(replaced)
     for job in jobs:
-        record = await fleet.client.result(job, timeout=30)
+        record = await supervised.client.result(job, timeout=30)
         assert record.status == "succeeded", record.error
-    survivors = await fleet.live_pids()
-    assert await fleet.stop() == 0
+    survivors = await supervised.live_pids()
+    assert await supervised.stop() == 0
     assert not any(alive(pid) for pid in survivors)
-    assert "restarting in" in fleet.log.read_text()
+    assert "restarting in" in supervised.log.read_text()
 
 
-async def test_sigterm_stops_every_worker_gracefully(fleet: Fleet) -> None:
-    pids = await fleet.wait_for_workers(2)
-    jobs = [await fleet.client.enqueue(chat(f"t{i}", tokens=30, rate=20)) for i in range(4)]
+async def test_sigterm_stops_every_worker_gracefully(supervised: Supervised) -> None:
+    pids = await supervised.wait_for_workers(2)
+    jobs = [await supervised.client.enqueue(chat(f"t{i}", tokens=30, rate=20)) for i in range(4)]
 
     async def all_running() -> bool:
-        records = [await fleet.client.get(job) for job in jobs]
+        records = [await supervised.client.get(job) for job in jobs]
         return all(r.status == "running" for r in records)
 
     await eventually(all_running)
-    assert await fleet.stop() == 0
+    assert await supervised.stop() == 0
     assert not any(alive(pid) for pid in pids)
     # the running jobs finished within the grace period, nothing was cut short
     for job in jobs:
-        assert (await fleet.client.get(job)).status == "succeeded"
-    assert await fleet.redis.zcard(fleet.keys.workers) == 0  # each child left the fleet
+        assert (await supervised.client.get(job)).status == "succeeded"
+    assert await supervised.redis.zcard(supervised.keys.workers) == 0  # each child left the fleet
 
 
 # -- the supervisor alone, with stand-in children ---------------------------------------
