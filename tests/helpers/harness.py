@@ -1,5 +1,7 @@
-"""An in-process worker with its client and mock upstream (the ``harness`` fixture), its
-variants, and the jobs the tests enqueue."""
+"""In-process workers: the ``harness`` fixture's (a started worker, its client and mock
+upstream), variants of it, workers consuming for the length of a block; and what tests
+enqueue: chat requests, injected records, jobs spread over shards, a busy queue, a slow job
+to cancel."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings
 from worker.store.keys import Keys
+from worker.store.queue import Queue
 from worker.store.redis_client import RedisClient
 from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply
 
@@ -112,6 +115,25 @@ async def consuming(*workers: Worker) -> AsyncIterator[None]:
         await asyncio.gather(*tasks, return_exceptions=True)
         for worker in workers:
             await worker.shutdown()
+
+
+async def busy_queue(settings: Settings, redis: RedisClient) -> Keys:
+    """What the stats tests read: 5 jobs (2 taken by consumer a, 1 by b, 2 waiting), 2 dead
+    letters, 3 heartbeats (2 live, 1 stale)."""
+    client = Client.from_settings(settings, redis)
+    keys = client.keys
+    for i in range(5):
+        await client.enqueue(chat(f"s{i}"))
+        await asyncio.sleep(0.002)
+    queue_a, queue_b = Queue(redis, keys, "a"), Queue(redis, keys, "b")
+    await queue_a.ensure_group()
+    assert len(await queue_a.read(2, 10)) == 2
+    assert len(await queue_b.read(1, 10)) == 1
+    await redis.xadd(keys.dead, {"job": "x", "reason": "{}"})
+    await redis.xadd(keys.dead, {"job": "y", "reason": "{}"})
+    now = time.time()
+    await redis.zadd(keys.workers, {"w-live-1": now, "w-live-2": now - 1, "w-gone": now - 600})
+    return keys
 
 
 # -- a slow job, to cancel ---------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""``chatstream stats`` in a subprocess: the JSON and the table, of the queue
-``tests/unit/store/test_stats.py`` populates (the numbers themselves are checked there)."""
+"""``chatstream stats`` in a subprocess: the JSON and the table of a busy queue (what
+``collect`` finds in it is checked in tests/unit/store/test_stats.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
+from tests.helpers.harness import busy_queue
 from tests.helpers.servers import RedisServer
-from tests.unit.store.test_stats import populate
 from worker.settings import Settings
 
 
@@ -21,7 +21,7 @@ async def test_stats_command_prints_json_and_a_table(
 ) -> None:
     if redis_server is None:
         return  # the command runs in a subprocess: it needs a real server
-    await populate(settings, redis)
+    await busy_queue(settings, redis)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
     env |= {"CHATSTREAM_REDIS_URL": redis_server.url, "CHATSTREAM_PREFIX": settings.prefix}
     outputs = []

@@ -5,39 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from redis.asyncio import Redis
 
-from tests.helpers.harness import chat
+from tests.helpers.harness import busy_queue, chat
 from worker.client import Client
 from worker.settings import Settings
 from worker.store.keys import Keys
-from worker.store.queue import Queue
 from worker.store.stats import Stats, collect, render
 
 
-async def populate(settings: Settings, redis: Redis) -> Keys:
-    """5 jobs: 2 taken by consumer a, 1 by b, 2 waiting; 2 dead letters; 3 heartbeats."""
-    client = Client.from_settings(settings, redis)
-    keys = client.keys
-    for i in range(5):
-        await client.enqueue(chat(f"s{i}"))
-        await asyncio.sleep(0.002)
-    queue_a, queue_b = Queue(redis, keys, "a"), Queue(redis, keys, "b")
-    await queue_a.ensure_group()
-    assert len(await queue_a.read(2, 10)) == 2
-    assert len(await queue_b.read(1, 10)) == 1
-    await redis.xadd(keys.dead, {"job": "x", "reason": "{}"})
-    await redis.xadd(keys.dead, {"job": "y", "reason": "{}"})
-    now = time.time()
-    await redis.zadd(keys.workers, {"w-live-1": now, "w-live-2": now - 1, "w-gone": now - 600})
-    return keys
-
-
 async def test_stats_of_a_busy_queue(settings: Settings, redis: Redis) -> None:
-    keys = await populate(settings, redis)
+    keys = await busy_queue(settings, redis)
     await asyncio.sleep(0.05)
     stats = await collect(redis, keys, live_window=30)
     assert stats.queue_length == 5
