@@ -295,10 +295,11 @@ async def test_readyz_is_503_while_the_worker_cannot_read_its_queue(
         await eventually(lambda: is_ready(port))
         await redis.delete(keys.queue)
         await redis.set(keys.queue, "not a stream")
-        await eventually(lambda: _not_ready(port))
+        # a read blocked when the key went is answered UNBLOCKED; the next ones, WRONGTYPE
+        await eventually(lambda: _not_ready(port, because=WRONGTYPE))
         status, body = await readiness(port)
         assert status == 503
-        assert body["reason"].startswith("cannot read the queue: ResponseError: WRONGTYPE")
+        assert body["reason"].startswith(WRONGTYPE)
         await redis.delete(keys.queue)
         job_id = await client.enqueue(chat("after"))
         record = await client.result(job_id, timeout=10)
@@ -310,8 +311,12 @@ async def test_readyz_is_503_while_the_worker_cannot_read_its_queue(
         await worker.shutdown()
 
 
-async def _not_ready(port: int) -> bool:
-    return (await readiness(port))[0] == 503
+WRONGTYPE = "cannot read the queue: ResponseError: WRONGTYPE"
+
+
+async def _not_ready(port: int, because: str) -> bool:
+    status, body = await readiness(port)
+    return status == 503 and str(body.get("reason", "")).startswith(because)
 
 
 async def test_no_server_without_a_port_and_registries_are_per_worker(
