@@ -1,5 +1,5 @@
 """bench_worker.py's ``cluster`` phase: the same chatstream workers on one redis-server and
-on a 3-master Redis Cluster (tests/deployments.py starts it on free loopback ports).
+on a 3-master Redis Cluster (tests/helpers/deployments.py starts it on free loopback ports).
 
 ``WORKERS`` worker processes with ``CHATSTREAM_QUEUE_SHARDS=3`` in both setups; ``tp_jobs``
 jobs of ``tp_tokens`` tokens from an unpaced upstream, all enqueued at once; ``rounds``
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))  # tests/deployments.py: the cluster harness
+sys.path.insert(0, str(BENCH.parent))  # tests/helpers/deployments.py: the cluster harness
 
 WORKERS = 2
 SHARDS = 3
@@ -65,7 +65,7 @@ def cpu_seconds(pid: int) -> float:
 
 @contextlib.contextmanager
 def three_masters(logs: Path) -> Iterator[tuple[str, list[int]]]:
-    from tests.deployments import cluster
+    from tests.helpers.deployments import cluster
 
     with cluster(masters=3, parent=logs) as deployment:
         pids = [node.process.pid for node in deployment.masters if node.process is not None]

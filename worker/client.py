@@ -2,7 +2,7 @@
 
 ``Client`` is async and takes the application's own ``redis.asyncio.Redis``;
 ``SyncClient`` offers the same calls to synchronous code (it runs them on a private event
-loop with its own connection); tests/test_client.py checks that no call is missing.
+loop with its own connection); tests/unit/test_client.py checks that no call is missing.
 """
 
 from __future__ import annotations
