@@ -51,7 +51,7 @@ JSON_FIELDS = (
     "metadata",
     *EXTRAS,
 )
-FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "requeued_at")
+FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "requeued_at", "dispatched_at")
 FLAG_FIELDS = ("cancel_requested", "dead_pending")  # stored as "1"
 
 
@@ -66,7 +66,14 @@ class JobRecord(BaseModel):
         None, description="The chat request as enqueued (JSON), sent upstream with stream: true."
     )
     upstream: str = Field("default", description="The configured upstream name the job uses.")
+    tenant: str = Field("default", description="Who the job is for (fair shares of the fleet).")
+    priority: str = Field("normal", description="high | normal | low, within its tenant.")
     created_at: float | None = Field(None, description="Enqueue time (Unix seconds).")
+    dispatched_at: float | None = Field(
+        None,
+        description="When it left its tenant's queue (its fair share and its upstream's limits "
+        "let it go; Redis time): dispatched_at - created_at is how long it waited for its turn.",
+    )
     started_at: float | None = Field(None, description="Start of the latest attempt.")
     finished_at: float | None = Field(None, description="Time of the terminal status.")
     attempt: int = Field(0, description="The latest attempt number (0 until one starts).")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+Priority = Literal["high", "normal", "low"]
+PRIORITY_RANK: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
 
 
 class ChatMessage(BaseModel):
@@ -40,6 +43,24 @@ class ChatRequest(BaseModel):
             raise ValueError("model must not be blank")
         return value
 
+    def prompt_tokens_estimate(self, json_length: int | None = None) -> int:
+        """About how many tokens the prompt is (its JSON's length over four, plus a few per
+        message): what a tokens-per-minute limit admits a request on before the upstream
+        reports its usage (docs/decisions.md, 48). ``json_length``: the length of the
+        request's JSON when the caller has it already (the estimate counts the whole)."""
+        if json_length is None:
+            json_length = len(self.model_dump_json(include={"messages", "tools"}))
+        return json_length // 4 + 4 * len(self.messages)
+
+    def max_output_tokens(self) -> int | None:
+        """The request's own bound on completion tokens, if it sets one."""
+        extra = self.model_extra or {}
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = extra.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
     def upstream_body(self) -> dict[str, Any]:
         """The body sent upstream: the request as given, streaming with usage."""
         body = self.model_dump(mode="json", exclude_none=False)
@@ -66,4 +87,12 @@ class JobSpec(BaseModel):
     )
     metadata: dict[str, Any] = Field(
         default_factory=dict, description="Caller metadata, stored on the record."
+    )
+    tenant: str = Field(
+        default="default",
+        pattern=TENANT_PATTERN,
+        description="Who the job is for: free capacity is shared fairly among tenants.",
+    )
+    priority: Priority = Field(
+        default="normal", description="Within a tenant: high before normal before low."
     )

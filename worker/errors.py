@@ -10,6 +10,7 @@ talks to them, with ``raise ... from exc``; everything above sees only these::
     ├── JobNotFoundError            no record for that job id (expired or never enqueued)
     ├── RedisUnavailableError       Redis did not answer at start (down, or not Redis)
     ├── NotReplicatedError          too few replicas acknowledged a write in time (WAIT)
+    ├── QueueFullError              the tenant has CHATSTREAM_MAX_QUEUED jobs waiting
     ├── StaleAttemptError           a fenced write lost: a newer attempt owns the job
     ├── ProtocolError               the upstream broke the SSE / chunk protocol (terminal)
     │   └── EventTooLargeError      one SSE event exceeded the configured size limit
@@ -76,6 +77,22 @@ class RedisUnavailableError(ChatstreamError):
 
 class NotReplicatedError(ChatstreamError):
     code = "not_replicated"
+
+
+class QueueFullError(ChatstreamError):
+    """Enqueue refused, nothing written: the tenant has as many jobs waiting as
+    ``CHATSTREAM_MAX_QUEUED`` allows (``waiting``). ``queued``: the ids ``enqueue_many``
+    queued before it was refused (they stay queued)."""
+
+    code = "queue_full"
+
+    def __init__(
+        self, message: str, *, tenant: str, waiting: int, queued: list[str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.waiting = waiting
+        self.queued = queued or []
 
 
 class StaleAttemptError(ChatstreamError):

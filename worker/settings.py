@@ -6,18 +6,45 @@ Redis, logs or error messages.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
+from schemas.requests import TENANT_PATTERN
 from worker.errors import ConfigError, UnknownUpstreamError
 from worker.urls import parse_redis_url
 
 DEFAULT_UPSTREAM = "default"
+LIMIT_FIELDS = {"max_concurrent", "requests_per_minute", "tokens_per_minute"}
 
 
-class Upstream(BaseModel):
+class UpstreamLimits(BaseModel):
+    """An upstream's limits across the whole fleet of a prefix (None: unlimited)."""
+
+    max_concurrent: int | None = Field(
+        None, ge=1, description="Streams open at once to it, across all workers."
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests sent to it in any 60 s, across all workers."
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt + completion tokens in any 60 s, across all workers (a request "
+        "is admitted on an estimate, then counted at its reported usage).",
+    )
+
+    @property
+    def limited(self) -> bool:
+        return any(
+            value is not None
+            for value in (self.max_concurrent, self.requests_per_minute, self.tokens_per_minute)
+        )
+
+
+class Upstream(UpstreamLimits):
     """One named OpenAI-compatible endpoint; ``url`` is the base ending in ``/v1``."""
 
     url: str = Field(pattern=r"^https?://", description="Base URL ending in /v1.")
@@ -58,8 +85,45 @@ class Settings(BaseSettings):
     )
     upstreams: dict[str, Upstream] = Field(
         default_factory=dict,
-        description="Named upstreams as JSON: {name: {url, api_key?, headers?}}; a job "
-        "picks one by name.",
+        description="Named upstreams as JSON: {name: {url, api_key?, headers?, "
+        "max_concurrent?, requests_per_minute?, tokens_per_minute?}}; a job picks one by "
+        "name.",
+    )
+    upstream_max_concurrent: int | None = Field(
+        None,
+        ge=1,
+        description="Streams open at once to the `default` upstream, across every worker of "
+        "the prefix (unset: unlimited).",
+    )
+    upstream_requests_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="Requests to the `default` upstream in any 60 s, across every worker "
+        "(retries included; unset: unlimited).",
+    )
+    upstream_tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt + completion tokens of the `default` upstream in any 60 s, "
+        "across every worker (admitted on an estimate, counted at the reported usage).",
+    )
+    completion_tokens_estimate: int = Field(
+        1_024,
+        ge=1,
+        description="Completion tokens a request without `max_tokens` is assumed to use "
+        "when a tokens-per-minute limit admits it (its real usage is counted after).",
+    )
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description='Shares of the fleet per tenant as JSON, e.g. {"live": 4}: among '
+        "tenants with waiting jobs, free capacity goes round-robin in proportion (default "
+        "weight 1).",
+    )
+    max_queued: int | None = Field(
+        None,
+        ge=1,
+        description="Jobs one tenant may have waiting (per queue shard: this / shards); "
+        "beyond it enqueue is refused (the gateway answers 429). Unset: unbounded.",
     )
 
     concurrency: int = Field(
@@ -307,6 +371,16 @@ class Settings(BaseSettings):
             raise ValueError("heartbeat_timeout must be at least twice heartbeat_seconds")
         return self
 
+    @field_validator("tenant_weights")
+    @classmethod
+    def _weights_are_positive(cls, value: dict[str, float]) -> dict[str, float]:
+        for tenant, weight in value.items():
+            if not re.match(TENANT_PATTERN, tenant):
+                raise ValueError(f"tenant {tenant!r}: letters, digits, _ . - (1 to 64)")
+            if not 0 < weight <= 1_000_000:
+                raise ValueError(f"tenant {tenant!r}: weight {weight} is not in (0, 1e6]")
+        return value
+
     @model_validator(mode="after")
     def _default_upstream_not_shadowed(self) -> Settings:
         if DEFAULT_UPSTREAM in self.upstreams and "upstream_url" in self.model_fields_set:
@@ -325,6 +399,20 @@ class Settings(BaseSettings):
 
     def upstream_names(self) -> list[str]:
         return sorted({DEFAULT_UPSTREAM, *self.upstreams})
+
+    def upstream_limits(self) -> dict[str, UpstreamLimits]:
+        """The fleet-wide limits of every upstream that has any."""
+        limits = {
+            name: UpstreamLimits.model_validate(upstream.model_dump(include=LIMIT_FIELDS))
+            for name, upstream in self.upstreams.items()
+        }
+        if DEFAULT_UPSTREAM not in self.upstreams:
+            limits[DEFAULT_UPSTREAM] = UpstreamLimits(
+                max_concurrent=self.upstream_max_concurrent,
+                requests_per_minute=self.upstream_requests_per_minute,
+                tokens_per_minute=self.upstream_tokens_per_minute,
+            )
+        return {name: limit for name, limit in limits.items() if limit.limited}
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -19,6 +19,7 @@ from worker.client import Client
 from worker.protocol.accumulator import Delta, FinalMessage
 from worker.store.keys import GROUP, Keys
 from worker.store.redis_client import RedisClient
+from worker.store.stats import queue_counts
 from worker.testing.mock_upstream import expected_reply
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -175,12 +176,19 @@ async def status_of(redis: RedisClient, keys: Keys, job_id: str) -> str | None:
 
 
 async def queue_is_drained(redis: RedisClient, keys: Keys) -> bool:
-    """No queue entry left on any shard, none pending: every entry was acked and deleted."""
+    """No queue entry left on any shard, none pending, no job waiting in a tenant's queue:
+    every job was dispatched and its entry acked and deleted."""
     for key in keys.queues:
         pending: Any = await redis.xpending(key, GROUP)
         if int(await redis.xlen(key)) != 0 or pending["pending"] != 0:
             return False
-    return True
+    return (await queue_counts(redis, keys)).scheduled == 0
+
+
+async def jobs_queued(redis: RedisClient, keys: Keys) -> int:
+    """Jobs in the queue: stream entries (waiting or running) and tenants' queues."""
+    counts = await queue_counts(redis, keys)
+    return counts.length + counts.scheduled
 
 
 def after_last_reset(events: list[StreamEvent]) -> list[StreamEvent]:

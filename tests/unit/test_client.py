@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from schemas.events import EventType, StreamEvent
-from tests.helpers.checks import check_stream, merge_deltas, queue_is_empty, stream_entries
+from tests.helpers.checks import (
+    check_stream,
+    jobs_queued,
+    merge_deltas,
+    queue_is_empty,
+    stream_entries,
+)
 from tests.helpers.harness import MOCK, Harness, chat
 from worker.client import Client, SyncClient, within
 from worker.errors import InvalidJobError, JobNotFoundError
@@ -84,7 +90,7 @@ async def test_enqueue_is_idempotent_per_job_id(harness: Harness) -> None:
 async def test_generated_job_ids_are_distinct(harness: Harness) -> None:
     ids = {await harness.client.enqueue(chat()) for _ in range(5)}
     assert len(ids) == 5
-    assert await harness.redis.xlen(harness.worker.keys.queue) == 5
+    assert await jobs_queued(harness.redis, harness.worker.keys) == 5
 
 
 # -- events -------------------------------------------------------------------------------

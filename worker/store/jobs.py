@@ -21,7 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from redis.commands.core import AsyncScript
+
 from worker.store import lua
+from worker.store.batch import Command
 from worker.store.keys import Keys
 from worker.store.records import as_text
 from worker.store.redis_client import RedisClient
@@ -78,17 +81,56 @@ class JobIndex:
         self.keys = keys
         self.retention = retention_seconds
         self.max_entries = max_entries
-        self._add = redis.register_script(INDEX_ADD)
+        self.add_script: AsyncScript = redis.register_script(INDEX_ADD)
 
     async def add(self, job_id: str, enqueued_at: float | None = None) -> None:
         """Index a job (again: a requeue moves it to the front); a no-op when disabled."""
         if self.max_entries <= 0:
             return
+        await self.add_script(keys=[self._key(job_id)], args=self._args(job_id, enqueued_at))
+
+    def add_command(self, job_id: str, enqueued_at: float | None = None) -> Command | None:
+        """``add`` as one command for a batch (None when the index is disabled)."""
+        if self.max_entries <= 0:
+            return None
+        return (
+            "EVALSHA",
+            self.add_script.sha,
+            1,
+            self._key(job_id),
+            *self._args(job_id, enqueued_at),
+        )
+
+    def add_commands(self, jobs: list[tuple[str, float]]) -> list[Command]:
+        """``add`` for many jobs in few commands: one ``ZADD`` per shard's index, then the
+        script (trim, expiry) once per shard with its last job."""
+        if self.max_entries <= 0 or not jobs:
+            return []
+        by_key: dict[str, list[tuple[str, float]]] = {}
+        for job_id, when in jobs:
+            by_key.setdefault(self._key(job_id), []).append((job_id, when))
+        commands: list[Command] = []
+        for key, members in by_key.items():
+            flat = [item for job_id, when in members for item in (f"{when:.6f}", job_id)]
+            last_id, last_when = members[-1]
+            commands.append(("ZADD", key, *flat))
+            commands.append(self.add_command(last_id, last_when) or ("PING",))
+        return commands
+
+    def remove_command(self, job_id: str) -> Command:
+        return ("ZREM", self._key(job_id), job_id)
+
+    async def remove(self, job_id: str) -> None:
+        """Unlist a job (its enqueue was refused)."""
+        await self.redis.zrem(self._key(job_id), job_id)
+
+    def _key(self, job_id: str) -> str:
+        return self.keys.jobs_shard(self.keys.shard_of(job_id))
+
+    def _args(self, job_id: str, enqueued_at: float | None) -> list[str | int]:
         when = time.time() if enqueued_at is None else enqueued_at
         per_shard = -(-self.max_entries // self.keys.shards)
-        args: list[str | int] = [f"{when:.6f}", job_id, self.retention, per_shard]
-        key = self.keys.jobs_shard(self.keys.shard_of(job_id))
-        await self._add(keys=[key], args=args)
+        return [f"{when:.6f}", job_id, self.retention, per_shard]
 
     async def page(
         self,

@@ -7,8 +7,10 @@ The queue is ``shards`` streams (``CHATSTREAM_QUEUE_SHARDS``, default 1). Shard 
 ``<p>:queue``; shard *i* > 0 is ``<p>:queue:{<tag>}``, its tag chosen so that each shard
 lies in its own N-th of the 16,384 slots (a Cluster made by ``redis-cli --cluster create``
 gives each master one contiguous range, so N shards on N masters land one per master).
-Each shard has a jobs index of its own (shard *i* > 0's in the shard's slot). See
-docs/redis.md.
+Each shard has a jobs index of its own (shard *i* > 0's in the shard's slot), and a
+scheduler of its own (``<p>:sched:{<the shard's tag>}:...``: its tenants' queues and its
+share of each upstream's limits), in the shard's slot, so one script decides a fair pick
+and moves the job into the shard's stream. See docs/redis.md.
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ class Keys:
     def jobs_shard(self, shard: int) -> str:
         """The jobs index of the jobs enqueued on ``shard`` (shard *i* > 0's in its slot)."""
         return self._sharded(self.jobs, shard)
+
+    def sched(self, shard: int) -> str:
+        """The prefix of shard ``shard``'s scheduler keys, in the shard's slot: the tag is
+        the shard's (``<p>:queue`` itself for shard 0, whose stream has no tag)."""
+        tag = self.queue if shard == 0 else shard_tag(self.prefix, shard, self.shards)
+        return f"{self.prefix}:sched:{{{tag}}}"
 
     def _sharded(self, key: str, shard: int) -> str:
         """``key`` itself for shard 0, else ``key:{<the shard's tag>}``."""

@@ -31,15 +31,16 @@ from worker.store import lua
 from worker.store.keys import GROUP, Keys
 from worker.store.records import as_text, dumps
 from worker.store.redis_client import RedisClient, stream_replies
+from worker.store.scheduler import NoGroupError, Scheduler
 
 log = logging.getLogger("chatstream.queue")
 
 # Scripts read the pending list with redis.pcall: without the group (Redis restarted empty)
 # no entry is anybody's, which is what they answer instead of failing.
 
-RENEW = lua.script("queue/renew")
+RENEW = lua.script("queue/renew", with_lib=True)
 
-SETTLE = lua.script("queue/settle")
+SETTLE = lua.script("queue/settle", with_lib=True)
 
 CLAIM_FOR_START = lua.script("queue/claim_for_start")
 
@@ -64,6 +65,24 @@ class Entry:
         """The entry's name across shards (stream ids repeat between streams): its id on
         shard 0, ``<shard>/<id>`` on the others. The record's ``entry`` field holds it."""
         return self.entry_id if self.shard == 0 else f"{self.shard}/{self.entry_id}"
+
+    @property
+    def permit(self) -> str:
+        """The upstream whose permit the entry holds ('' = none: that upstream has no
+        limits, or a producer wrote the entry itself)."""
+        return self.raw.get("permit", "")
+
+    @property
+    def tenant(self) -> str:
+        return self.raw.get("tenant", "default")
+
+    @property
+    def dispatched_at(self) -> float | None:
+        """When the scheduler moved the job into the stream (its entry id's time), Unix
+        seconds; None for an entry a producer added itself."""
+        if "tenant" not in self.raw:
+            return None
+        return int(self.entry_id.partition("-")[0]) / 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +120,8 @@ class Queue:
         self._reclaim_shard = 0
         self._next_shard = 0
         self._waiting: dict[int, tuple[asyncio.Task[list[Entry]], int]] = {}  # shard: read, share
+        self.scheduler = Scheduler(redis, keys)
+        self._held_back_ms = -1  # from the last picks: until a limit may let a job go
 
     @property
     def shards(self) -> range:
@@ -132,7 +153,9 @@ class Queue:
         self._reclaim_cursor[shard] = "0-0"
 
     async def add(self, job_id: str) -> str:
-        """A queue entry for the job, on its shard (``Keys.shard_of``)."""
+        """A queue entry for the job, on its shard (``Keys.shard_of``), straight into the
+        stream: ahead of every tenant's queue and outside the limits (the way back for a
+        job whose entry Redis lost)."""
         key = self.keys.queue_of(job_id)
         return as_text(await self.redis.xadd(key, {"job": job_id}))
 
@@ -150,7 +173,12 @@ class Queue:
                 entries += await self._read_shard(shard, budget - len(entries), None)
         if entries or block_ms is None:
             return entries
-        return await self._wait_any(count, block_ms)
+        return await self._wait_any(count, self._block(block_ms))
+
+    def _block(self, block_ms: int) -> int:
+        """How long a blocking read may wait: until a limit may let a held-back job go."""
+        held_back, self._held_back_ms = self._held_back_ms, -1
+        return block_ms if held_back < 0 else max(1, min(block_ms, held_back))
 
     def _reserved(self) -> int:
         return sum(share for _, share in self._waiting.values())
@@ -172,7 +200,7 @@ class Queue:
         share = max(1, (count - self._reserved()) // max(1, len(idle)))
         for shard in idle:
             read = asyncio.create_task(
-                self._read_shard(shard, share, block_ms), name=f"queue-read-{shard}"
+                self._wait_shard(shard, share, block_ms), name=f"queue-read-{shard}"
             )
             self._waiting[shard] = (read, share)
         tasks = [task for task, _ in self._waiting.values()]
@@ -184,6 +212,22 @@ class Queue:
         return entries
 
     async def _read_shard(self, shard: int, count: int, block_ms: int | None) -> list[Entry]:
+        """What waits in the shard's stream, then its fairest waiting jobs (the scheduler's
+        pick); with ``block_ms``, when there is neither, waits for an entry that long."""
+        try:
+            rows, held_back = await self.scheduler.pick(shard, self.consumer, count)
+        except NoGroupError as exc:
+            await self._recreate_group(shard, ResponseError(str(exc)))
+            return []
+        if held_back >= 0 and not 0 <= self._held_back_ms <= held_back:
+            self._held_back_ms = held_back
+        if rows or block_ms is None:
+            return [_entry(eid, _pairs(fields), shard) for eid, fields in rows]
+        return await self._wait_shard(shard, count, self._block(block_ms))
+
+    async def _wait_shard(self, shard: int, count: int, block_ms: int) -> list[Entry]:
+        """A blocking read: woken by a job moved into the stream (an enqueue, a permit that
+        came free) or after ``block_ms``, then the shard is picked from again."""
         key = self.keys.queue_shard(shard)
         try:
             reply: Any = await self.redis.xreadgroup(
@@ -194,9 +238,12 @@ class Queue:
                 raise
             await self._recreate_group(shard, exc)
             return []
-        return [
+        entries = [
             _entry(eid, fields, shard) for _, rows in stream_replies(reply) for eid, fields in rows
         ]
+        if len(entries) < count:  # the wait ended: what else may go now
+            entries += await self._read_shard(shard, count - len(entries), None)
+        return entries
 
     async def close(self) -> None:
         """Stop the blocking reads still waiting (what they were delivered is handed back
@@ -230,11 +277,16 @@ class Queue:
     async def renew(self, entries: list[Entry]) -> list[str]:
         """Reset the idle time of our entries; returns the refs of those another worker took."""
         lost: list[str] = []
-        for shard, ids in _by_shard(entries).items():
-            args = [GROUP, self.consumer, *ids]
-            taken = await self._renew(keys=[self.keys.queue_shard(shard)], args=args)
+        for shard, held in _by_shard(entries).items():
+            args = [GROUP, self.consumer]
+            for entry in held:
+                args += [entry.entry_id, entry.permit]
+            taken = await self._renew(keys=self._keys(shard), args=args)
             lost += [Entry(as_text(x), None, {}, shard).ref for x in taken]
         return lost
+
+    def _keys(self, shard: int) -> list[str]:
+        return self.scheduler.shard_keys(shard)
 
     async def claim_for_start(self, entry: Entry, lease_ms: int) -> int:
         """The entry's delivery count if it is ours and was delivered (or renewed) less than
@@ -305,14 +357,13 @@ class Queue:
     async def ack(self, entry: Entry) -> bool:
         """Ack and delete the entry if it is still ours (not taken over by another worker)."""
         args = [GROUP, self.consumer, entry.entry_id, ""]
-        key = self.keys.queue_shard(entry.shard)
-        return int(await self._settle(keys=[key], args=args)) != 0
+        return int(await self._settle(keys=self._keys(entry.shard), args=args)) != 0
 
     async def requeue(self, entry: Entry, job_id: str) -> str | None:
         """Hand a job back at once: a fresh entry on the same shard replaces ours (None: it
         is not ours)."""
         args = [GROUP, self.consumer, entry.entry_id, job_id]
-        fresh = await self._settle(keys=[self.keys.queue_shard(entry.shard)], args=args)
+        fresh = await self._settle(keys=self._keys(entry.shard), args=args)
         return None if fresh == 0 else as_text(fresh)
 
     async def job_of(self, entry: Entry) -> str | None:
@@ -363,10 +414,10 @@ class Queue:
         return len(ids)
 
 
-def _by_shard(entries: list[Entry]) -> dict[int, list[str]]:
-    grouped: dict[int, list[str]] = {}
+def _by_shard(entries: list[Entry]) -> dict[int, list[Entry]]:
+    grouped: dict[int, list[Entry]] = {}
     for entry in entries:
-        grouped.setdefault(entry.shard, []).append(entry.entry_id)
+        grouped.setdefault(entry.shard, []).append(entry)
     return grouped
 
 

@@ -24,6 +24,7 @@ from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
 
 JSONish = dict[str, Any]
+QUEUED_TO_TENANT = "tenant"  # queue_entry of a job handed to its tenant's queue
 
 CREATE = lua.script("records/create")
 
@@ -75,7 +76,7 @@ class Records:
         self.redis = redis
         self.keys = keys
         self.retention = retention_seconds
-        self._create = redis.register_script(CREATE)
+        self.create_script: AsyncScript = redis.register_script(CREATE)
         self._start = redis.register_script(START)
         self.delta_script: AsyncScript = redis.register_script(DELTA)
         self.finish_script: AsyncScript = redis.register_script(FINISH)
@@ -106,11 +107,17 @@ class Records:
     async def create(self, job_id: str, fields: dict[str, str]) -> str:
         """Create the record unless it exists: ``created``, ``exists`` or ``unqueued``."""
         flat = [item for pair in fields.items() for item in pair]
-        result = await self._create(keys=self.job_keys(job_id), args=[self.retention, *flat])
+        result = await self.create_script(keys=self.job_keys(job_id), args=[self.retention, *flat])
         return as_text(result)
 
     async def mark_queued(self, job_id: str, entry_id: str) -> None:
+        """The enqueue is complete: the job waits in the queue (``entry_id``: its stream
+        entry, or ``QUEUED_TO_TENANT`` while it waits in its tenant's queue)."""
         await self.redis.hset(self.keys.job(job_id), "queue_entry", entry_id)
+
+    async def discard(self, job_id: str) -> None:
+        """Delete a record whose enqueue was refused (nothing else refers to it)."""
+        await self.redis.delete(self.keys.job(job_id))
 
     async def start(
         self,
@@ -122,6 +129,7 @@ class Records:
         *,
         delivery: int | None = None,
         restart_of: int | None = None,
+        dispatched_at: float | None = None,
     ) -> Started:
         """Start the next attempt (fenced: every earlier attempt's writes are refused).
 
@@ -133,6 +141,8 @@ class Records:
         caller's own run, only while that attempt is current (else ``superseded``).
         ``token`` identifies this start: pass the same one when retrying it after an error
         (the reply may have been lost after the start happened) to get the same attempt.
+        ``dispatched_at`` (when the entry left its tenant's queue) is kept from the first
+        start as the record's ``dispatched_at``.
         """
         now, token = f"{time.time():.6f}", token or secrets.token_hex(8)
         args: list[str | int] = [
@@ -144,6 +154,7 @@ class Records:
             "" if delivery is None else delivery,
             token,
             "" if restart_of is None else restart_of,
+            "" if dispatched_at is None else f"{dispatched_at:.3f}",
         ]
         result = await self._start(keys=self.job_keys(job_id), args=args)
         state = as_text(result[0])

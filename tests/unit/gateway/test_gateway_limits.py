@@ -16,7 +16,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from tests.helpers.checks import eventually
+from tests.helpers.checks import eventually, jobs_queued
 from tests.helpers.gateway_env import KEY, OTHER_KEY, GatewayEnv, key_setting, running_gateway
 from tests.helpers.harness import chat
 from worker.errors import ConfigError
@@ -58,7 +58,7 @@ def assert_error(response: httpx.Response, status: int, code: str | None, fragme
 
 
 async def queue_length(env: GatewayEnv) -> int:
-    return int(await env.redis.xlen(env.client.keys.queue))
+    return await jobs_queued(env.redis, env.client.keys)
 
 
 async def create_job(http: httpx.AsyncClient) -> str:

@@ -20,21 +20,24 @@ async def test_stats_of_a_busy_queue(settings: Settings, redis: Redis) -> None:
     keys = await busy_queue(settings, redis)
     await asyncio.sleep(0.05)
     stats = await collect(redis, keys, live_window=30)
-    assert stats.queue_length == 5
-    assert (stats.waiting, stats.pending) == (2, 3)
+    assert stats.queue_length == 3  # the stream holds the jobs taken; the others wait in
+    assert (stats.waiting, stats.pending) == (2, 3)  # their tenant's queue
+    assert stats.tenants == {"default": {"waiting": 2, "running": 3}}
+    assert stats.upstreams == {"default": {"waiting": 2, "permits_in_use": 0}}
     assert stats.pending_by_consumer == {"a": 2, "b": 1}
     assert stats.dead_letters == 2
     assert stats.live_workers == ["w-live-1", "w-live-2"]
     assert stats.stale_workers == ["w-gone"]
     # the oldest waiting job is the 4th enqueued, not the 1st (that one was delivered)
-    rows: Any = await redis.xrange(keys.queue, count=5)
-    fourth_ms = int(rows[3][0].split("-")[0])
+    waiting: Any = await redis.hgetall(keys.sched(0) + ":jobs")
+    fourth_ms = min(int(info.rsplit("|", 1)[1]) for info in waiting.values())
     seconds, micros = await redis.time()
     expected = seconds + micros / 1e6 - fourth_ms / 1000
     assert stats.oldest_waiting_seconds is not None
     assert abs(stats.oldest_waiting_seconds - expected) < 0.5
     table = render(stats)
-    assert "5 entries: 2 waiting, 3 pending" in table
+    assert "2 waiting, 3 pending (3 stream entries)" in table
+    assert "tenant   default: 2 waiting, 3 running" in table
     assert "2 live, 1 stale" in table
     assert "dead letters  2" in table
     assert json.loads(json.dumps(stats.to_json()))["pending_by_consumer"] == {"a": 2, "b": 1}

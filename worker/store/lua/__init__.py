@@ -1,10 +1,11 @@
 """chatstream's Lua scripts, one ``.lua`` file each, read once at import.
 
 A folder per owner: ``records/`` (the job record and events stream, fenced), ``queue/``
-(leases, claims, take-over), ``liveness/`` (heartbeats), ``jobs/`` (the jobs index),
-``replication/`` (the replica check) and ``limits/`` (the gateway's rate limiter). Each
-file opens with what its ``KEYS`` and ``ARGV`` are and what it returns. Every script
-touches the keys of one Cluster slot only.
+(leases, claims, take-over), ``sched/`` (tenants' queues, fair picks, upstream limits),
+``liveness/`` (heartbeats), ``jobs/`` (the jobs index), ``replication/`` (the replica check)
+and ``limits/`` (the gateway's rate limiter). Each file opens with what its ``KEYS`` and
+``ARGV`` are and what it returns. Every script touches the keys of one Cluster slot only.
+Scripts that need the scheduler's shared functions get ``sched/lib.lua`` prepended.
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ from __future__ import annotations
 from importlib import resources
 
 
-def script(name: str) -> str:
-    """The text of ``<name>.lua`` (for example ``"records/start"``)."""
+def script(name: str, *, with_lib: bool = False) -> str:
+    """The text of ``<name>.lua`` (for example ``"records/start"``); with ``with_lib``,
+    after the scheduler's shared functions (``sched/lib.lua``)."""
+    text = _read(name)
+    return _read("sched/lib") + "\n" + text if with_lib else text
+
+
+def _read(name: str) -> str:
     return (resources.files(__package__) / f"{name}.lua").read_text(encoding="utf-8")

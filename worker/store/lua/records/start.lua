@@ -2,7 +2,9 @@
 -- attempt does not come from a queue entry: no duplicate check, the entry field is kept),
 -- delivery (the entry's delivery count; '' = unknown), start token (unique per call: the same
 -- call retried after a lost reply starts nothing new), restart of (an attempt number: a new
--- attempt of the caller's own run, only while that attempt is current; '' otherwise).
+-- attempt of the caller's own run, only while that attempt is current; '' otherwise),
+-- dispatched at (when the entry left its tenant's queue, Unix seconds; '' = not known: kept
+-- from the first start).
 -- Attempts count against max_attempts since the last requeue (budget_base), minus releases.
 -- A start from the entry the job runs under is a takeover only with a newer delivery: an
 -- older one (a reply a frozen worker reads late) is 'superseded' and starts nothing.
@@ -65,6 +67,7 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'attempt', attempt, 'worker', A
   'started_at', ARGV[2], 'seq', 0, 'start_token', ARGV[7])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'entry', ARGV[5]) end
 if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'delivery', ARGV[6]) end
+if ARGV[9] and ARGV[9] ~= '' then redis.call('HSETNX', KEYS[1], 'dispatched_at', ARGV[9]) end
 if attempt > 1 then
   redis.call('XADD', KEYS[2], '*', 'type', 'reset', 'attempt', tostring(attempt),
     'data', cjson.encode({reason='attempt ' .. attempt .. ' starts; earlier deltas are void'}))

@@ -1,0 +1,251 @@
+"""Who runs next: tenants' queues with fair shares and priorities, and upstream limits.
+
+A job does not go into the queue stream when it is enqueued: it waits in its tenant's
+queue (one per tenant and upstream, ordered by priority, then arrival) on its shard. A job
+leaves it only when a worker has a free slot for it and its upstream's limits let it go
+(streams open at once, requests and tokens per minute, a pause after a 429); among the
+tenants with such a job, the one with the lowest *pass* goes first, and its pass grows by
+1 / its weight (stride scheduling: weighted round-robin). The move is one script per shard
+(``sched/pick.lua``): the fair choice, the permit, the stream entry and its delivery to the
+reading worker at once, so nothing is lost or counted twice. The same happens, for one job,
+when a job is enqueued or a permit comes free and no entry waits in the stream for a
+reader: a worker blocked reading the stream wakes with it.
+
+A permit is held by the stream entry that carries the job (its ``permit`` field): renewed
+with the entry's lease, freed by its ack, moved with it by a requeue or a take-over. One
+that nobody renews for a lease (its worker died and nobody took the entry over) is free
+again. Limits, weights and the lease are published by the workers into each shard's
+``config`` hash, so producers need none of them. With N shards, each shard holds a 1/N
+share of every limit (rounded up). See docs/decisions.md, 48, and docs/redis.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.commands.core import AsyncScript
+
+from schemas.requests import PRIORITY_RANK, ChatRequest
+from worker.errors import QueueFullError
+from worker.settings import Settings, UpstreamLimits
+from worker.store import lua
+from worker.store.keys import Keys
+from worker.store.records import as_text
+from worker.store.redis_client import RedisClient
+
+PUSH = lua.script("sched/push", with_lib=True)
+PICK = lua.script("sched/pick", with_lib=True)
+UNQUEUE = lua.script("sched/unqueue", with_lib=True)
+REQUEST = lua.script("sched/request", with_lib=True)
+COOL = lua.script("sched/cool", with_lib=True)
+SPEND = lua.script("sched/spend", with_lib=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """What a job's tenant queue entry says about it."""
+
+    tenant: str
+    upstream: str
+    prompt_tokens: int
+    max_tokens: int | None
+
+    @classmethod
+    def of(
+        cls, request: ChatRequest, tenant: str, upstream: str, json_length: int | None = None
+    ) -> Waiting:
+        prompt = request.prompt_tokens_estimate(json_length)
+        return cls(tenant, upstream, prompt, request.max_output_tokens())
+
+
+@dataclass(slots=True)
+class ShardCounts:
+    """One shard's (or, summed, the queue's) waiting jobs and permits in use."""
+
+    waiting: int = 0
+    tenants: dict[str, int] = field(default_factory=dict)  # waiting jobs per tenant
+    upstreams: dict[str, int] = field(default_factory=dict)  # waiting jobs per upstream
+    permits: dict[str, int] = field(default_factory=dict)  # permits in use per upstream
+
+    def add(self, other: ShardCounts) -> None:
+        self.waiting += other.waiting
+        for mine, theirs in (
+            (self.tenants, other.tenants),
+            (self.upstreams, other.upstreams),
+            (self.permits, other.permits),
+        ):
+            for name, count in theirs.items():
+                mine[name] = mine.get(name, 0) + count
+
+
+def shard_share(limit: int | None, shards: int) -> int | None:
+    """A shard's share of a fleet-wide limit: never more than the limit in all."""
+    return None if limit is None else max(1, math.ceil(limit / shards))
+
+
+def config_fields(settings: Settings) -> dict[str, str]:
+    """What workers publish into every shard's ``config`` hash."""
+    shards = settings.queue_shards
+    fields = {
+        "lease_ms": str(int(settings.lease_seconds * 1000)),
+        "est": str(settings.completion_tokens_estimate),
+        "max_queued": str(shard_share(settings.max_queued, shards) or 0),
+    }
+    for name, limits in settings.upstream_limits().items():
+        fields[f"u:{name}"] = _limits_text(limits, shards)
+    for tenant, weight in settings.tenant_weights.items():
+        fields[f"w:{tenant}"] = repr(float(weight))
+    for name in settings.upstream_names():
+        fields[f"s:{name}"] = "1"  # an upstream the workers serve
+    return fields
+
+
+def _limits_text(limits: UpstreamLimits, shards: int) -> str:
+    values = (limits.max_concurrent, limits.requests_per_minute, limits.tokens_per_minute)
+    return "|".join(str(shard_share(value, shards) or "") for value in values)
+
+
+class Scheduler:
+    def __init__(self, redis: RedisClient, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.push_script: AsyncScript = redis.register_script(PUSH)
+        self._pick: AsyncScript = redis.register_script(PICK)
+        self._unqueue: AsyncScript = redis.register_script(UNQUEUE)
+        self._request: AsyncScript = redis.register_script(REQUEST)
+        self._cool: AsyncScript = redis.register_script(COOL)
+        self._spend: AsyncScript = redis.register_script(SPEND)
+
+    def shard_keys(self, shard: int) -> list[str]:
+        return [self.keys.queue_shard(shard), self.keys.sched(shard)]
+
+    def push_args(
+        self, job_id: str, waiting: Waiting, priority: str, max_queued: int | None
+    ) -> list[Any]:
+        max_tokens = "" if waiting.max_tokens is None else waiting.max_tokens
+        own = shard_share(max_queued, self.keys.shards) or 0
+        rank = PRIORITY_RANK[priority]
+        return [
+            job_id,
+            waiting.tenant,
+            rank,
+            waiting.upstream,
+            waiting.prompt_tokens,
+            max_tokens,
+            own,
+        ]
+
+    async def push(
+        self, job_id: str, waiting: Waiting, priority: str, max_queued: int | None = None
+    ) -> str:
+        """The job into its tenant's queue: ``queued``, or ``exists`` when it waits already;
+        QueueFullError when its tenant has too many waiting (nothing is written)."""
+        keys = self.shard_keys(self.keys.shard_of(job_id))
+        args = self.push_args(job_id, waiting, priority, max_queued)
+        reply = await self.push_script(keys=keys, args=args)
+        return check_push(reply, waiting.tenant)
+
+    async def pick(self, shard: int, consumer: str, count: int) -> tuple[Any, int]:
+        """Up to ``count`` entries for ``consumer`` (raw XREADGROUP rows), and the ms until a
+        time-bound limit may let a held-back job go (-1: none holds one back)."""
+        reply: Any = await self._pick(keys=self.shard_keys(shard), args=[consumer, count])
+        if as_text(reply[0]) == "nogroup":
+            raise NoGroupError(as_text(reply[1]))
+        return reply[0] or [], int(reply[1])
+
+    async def unqueue(self, job_id: str) -> bool:
+        """Take a waiting job out of its tenant's queue; False when it was not waiting."""
+        keys = self.shard_keys(self.keys.shard_of(job_id))
+        return int(await self._unqueue(keys=keys, args=[job_id])) == 1
+
+    async def take_request(self, shard: int, upstream: str) -> float:
+        """One more request to ``upstream`` (a retry): 0, or seconds to wait first."""
+        waited = await self._request(keys=self.shard_keys(shard), args=[upstream])
+        return int(waited) / 1000
+
+    async def cool_down(self, upstream: str, seconds: float) -> None:
+        """Nothing more goes to ``upstream`` for ``seconds``, from any worker (a 429)."""
+        ms = max(1, int(seconds * 1000))
+        for shard in range(self.keys.shards):
+            await self._cool(keys=self.shard_keys(shard), args=[upstream, ms])
+
+    async def spend(self, shard: int, upstream: str, entry_id: str, tokens: int) -> None:
+        """A job's real token usage in place of the estimate it was admitted on."""
+        await self._spend(keys=self.shard_keys(shard), args=[upstream, entry_id, tokens])
+
+    async def publish(self, fields: Mapping[str, str]) -> dict[str, str]:
+        """Write the workers' configuration into every shard (replacing the old one); the
+        configuration found before, where it differed."""
+        before: dict[str, str] = {}
+        for shard in range(self.keys.shards):
+            key = self.keys.sched(shard) + ":config"
+            raw: dict[Any, Any] = await self.redis.hgetall(key)
+            found = {as_text(k): as_text(v) for k, v in raw.items()}
+            if found != dict(fields):
+                before = before or found
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.delete(key)
+                mapping: dict[Any, Any] = dict(fields)
+                pipe.hset(key, mapping=mapping)
+                await pipe.execute()
+        return before
+
+    async def publish_if_missing(self, fields: Mapping[str, str]) -> bool:
+        """Publish again where a shard has no configuration (Redis restarted empty)."""
+        missing = [
+            shard
+            for shard in range(self.keys.shards)
+            if not await self.redis.hexists(self.keys.sched(shard) + ":config", "lease_ms")
+        ]
+        if missing:
+            await self.publish(fields)
+        return bool(missing)
+
+    async def served(self) -> list[str] | None:
+        """The upstream names the workers publish (None: no worker published any)."""
+        raw: dict[Any, Any] = await self.redis.hgetall(self.keys.sched(0) + ":config")
+        names = sorted(as_text(k)[2:] for k in raw if as_text(k).startswith("s:"))
+        return names or None
+
+    async def counts(self) -> ShardCounts:
+        """Waiting jobs per tenant and upstream and permits in use, summed over shards."""
+        total = ShardCounts()
+        for shard in range(self.keys.shards):
+            total.add(await self._shard_counts(shard))
+        return total
+
+    async def _shard_counts(self, shard: int) -> ShardCounts:
+        prefix = self.keys.sched(shard)
+        raw: dict[Any, Any] = await self.redis.hgetall(prefix + ":counts")
+        counts = ShardCounts()
+        for key, value in ((as_text(k), int(as_text(v))) for k, v in raw.items()):
+            if key == "waiting":
+                counts.waiting = max(0, value)
+            elif key.startswith("t:") and value > 0:
+                counts.tenants[key[2:]] = value
+            elif key.startswith("u:") and value > 0:
+                counts.upstreams[key[2:]] = value
+        config: dict[Any, Any] = await self.redis.hgetall(prefix + ":config")
+        for name in (as_text(k)[2:] for k in config if as_text(k).startswith("u:")):
+            counts.permits[name] = int(await self.redis.zcard(f"{prefix}:permits:{name}"))
+        return counts
+
+
+class NoGroupError(Exception):
+    """The shard's consumer group is gone (Redis restarted empty): recreate it."""
+
+
+def check_push(reply: Any, tenant: str) -> str:
+    state = as_text(reply[0])
+    if state == "full":
+        waiting = int(reply[1])
+        raise QueueFullError(
+            f"tenant {tenant!r} has {waiting} jobs waiting, the most CHATSTREAM_MAX_QUEUED "
+            "allows; enqueue again once some have started",
+            tenant=tenant,
+            waiting=waiting,
+        )
+    return state
