@@ -42,6 +42,7 @@ from schemas.jobs import TERMINAL
 from worker.errors import ChatstreamError, ProtocolError, UpstreamError
 from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
+from worker.store.scheduler import Scheduler, ShardCounts
 from worker.store.stats import QueueCounts, queue_counts
 
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -67,24 +68,34 @@ class JobTiming:
 
 
 class QueueGauges:
-    """A collector serving the last queue counts the maintenance loop read."""
+    """A collector serving the last queue counts the maintenance loop read (fleet-wide:
+    every worker serves the same values; aggregate them with ``max``, not ``sum``)."""
 
     def __init__(self) -> None:
         self.counts: QueueCounts | None = None
+        self.scheduled: ShardCounts | None = None
 
     def describe(self) -> Iterable[Metric]:
-        return self._families(QueueCounts(0, 0, 0))
+        return self._families(QueueCounts(0, 0, 0), ShardCounts())
 
     def collect(self) -> Iterable[Metric]:
-        return [] if self.counts is None else self._families(self.counts)
+        if self.counts is None:
+            return []
+        return self._families(self.counts, self.scheduled or ShardCounts())
 
     @staticmethod
-    def _families(counts: QueueCounts) -> list[Metric]:
-        return [
+    def _families(counts: QueueCounts, scheduled: ShardCounts) -> list[Metric]:
+        families = [
             GaugeMetricFamily(
                 "chatstream_queue_depth",
-                "Entries in the queue stream: waiting plus delivered and not acked",
-                value=counts.length,
+                "Jobs queued or running: the queue streams' entries plus the tenants' queues",
+                value=counts.length + counts.scheduled,
+            ),
+            GaugeMetricFamily(
+                "chatstream_jobs_waiting",
+                "Jobs waiting to run (for a worker, or for their upstream's limits): the "
+                "number to scale workers on",
+                value=counts.waiting,
             ),
             GaugeMetricFamily(
                 "chatstream_queue_pending",
@@ -95,8 +106,70 @@ class QueueGauges:
                 "chatstream_dead_letters", "Entries in the dead-letter stream", value=counts.dead
             ),
         ]
+        return families + _labelled_families(scheduled)
 
 
+def _labelled_families(scheduled: ShardCounts) -> list[Metric]:
+    tenants = GaugeMetricFamily(
+        "chatstream_tenant_jobs_waiting",
+        "Jobs waiting in each tenant's queues (the most waiting tenants; the rest: other)",
+        labels=["tenant"],
+    )
+    for name, count in _bounded(scheduled.tenants).items():
+        tenants.add_metric([name], count)
+    queued = GaugeMetricFamily(
+        "chatstream_upstream_jobs_queued",
+        "Jobs waiting in the tenants' queues for each upstream",
+        labels=["upstream"],
+    )
+    for name, count in scheduled.upstreams.items():
+        queued.add_metric([name], count)
+    permits = GaugeMetricFamily(
+        "chatstream_upstream_permits_in_use",
+        "Streams out of the queue for each upstream with limits (its max_concurrent counts these)",
+        labels=["upstream"],
+    )
+    for name, count in scheduled.permits.items():
+        permits.add_metric([name], count)
+    return [tenants, queued, permits]
+
+
+def _bounded(counts: dict[str, int]) -> dict[str, int]:
+    """The ``MAX_TENANT_LABELS`` largest counts by name, the rest summed as ``other``."""
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    kept = dict(ranked[:MAX_TENANT_LABELS])
+    rest = sum(count for _, count in ranked[MAX_TENANT_LABELS:])
+    if rest:
+        kept[OTHER] = kept.get(OTHER, 0) + rest
+    return kept
+
+
+class TenantGauges:
+    """A collector reading, at scrape time, this worker's running jobs per tenant."""
+
+    def __init__(self, running: Callable[[], dict[str, int]]) -> None:
+        self.running = running
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family({})]
+
+    def collect(self) -> Iterable[Metric]:
+        running = {"default": 0, **self.running()}  # the family is served from the start
+        return [self._family(_bounded(running))]
+
+    @staticmethod
+    def _family(counts: dict[str, int]) -> Metric:
+        family = GaugeMetricFamily(
+            "chatstream_tenant_jobs_running",
+            "Jobs this worker runs for each tenant (sum over workers)",
+            labels=["tenant"],
+        )
+        for name, count in counts.items():
+            family.add_metric([name], count)
+        return family
+
+
+MAX_TENANT_LABELS = 100
 OTHER = "other"  # the label value of whatever lies beyond a label's bound
 MAX_MODEL_LABEL = 100  # characters of a model name kept as a label value
 
@@ -242,6 +315,10 @@ class Metrics:
         """Serve ``upstream_down`` and ``upstream_waiting_jobs`` from ``health()``."""
         self.registry.register(UpstreamGauges(health))
 
+    def watch_tenants(self, running: Callable[[], dict[str, int]]) -> None:
+        """Serve ``tenant_jobs_running`` from ``running()``."""
+        self.registry.register(TenantGauges(running))
+
     # -- observations ------------------------------------------------------------------
 
     def job_finished(self, status: str, timing: JobTiming) -> None:
@@ -324,6 +401,7 @@ class Metrics:
 
     async def refresh_queue(self, redis: RedisClient, keys: Keys) -> None:
         self.queue.counts = await queue_counts(redis, keys)
+        self.queue.scheduled = await Scheduler(redis, keys).counts()
 
 
 # -- the HTTP server ----------------------------------------------------------------------

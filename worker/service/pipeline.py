@@ -39,6 +39,7 @@ from worker.errors import (
 )
 from worker.protocol.accumulator import Accumulator, FinalMessage
 from worker.protocol.sse import SSEDecoder
+from worker.service.limits import AttemptLimits
 from worker.service.metrics import JobTiming, Metrics
 from worker.settings import Settings
 from worker.store.publisher import JobStream, Publisher, Terminal
@@ -79,6 +80,7 @@ class Attempt:
     acc: Accumulator | None = None  # the current try's output: kept when cancelled
     idle: IdleSlot = keep_slot  # entered while waiting for a down upstream (frees the slot)
     replicated: bool = True  # its terminal write reached the replicas it waits for
+    limits: AttemptLimits | None = None  # its upstream's fleet-wide limits, if it has any
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,8 @@ async def stream_once(
     limit = services.settings.max_event_bytes
     decoder = SSEDecoder(limit)
     publisher = services.publisher
-    async with services.upstream.stream(job.upstream, body, idle=job.idle) as chunks:
+    stream = services.upstream.stream(job.upstream, body, idle=job.idle, pacing=job.limits)
+    async with stream as chunks:
         job.opened = True
         async for data in chunks:
             fields = (
@@ -256,6 +259,8 @@ async def write_terminal(
     services.metrics.job_finished(status, job.timing)
     if final is not None:
         services.metrics.job_usage(job.upstream, final.model, final.usage)
+        if job.limits is not None:
+            await job.limits.spent(final.usage)
     if error is None and "error" in terminal.fields:  # the upstream's mid-stream error chunk
         services.metrics.upstream_error_code("upstream_stream_error", job.upstream)
     if status == JobStatus.FAILED:

@@ -33,6 +33,7 @@ from worker.store.liveness import Liveness
 from worker.store.queue import Entry, Queue
 from worker.store.records import Records, as_text
 from worker.store.redis_client import RedisClient
+from worker.store.scheduler import config_fields
 
 log = logging.getLogger("chatstream.worker")
 PRUNE_EVERY = 300.0  # seconds between sweeps for consumers of dead workers
@@ -140,6 +141,8 @@ class Upkeep:
 
     async def maintain_once(self) -> None:
         await self.renew_leases()
+        if await self.host.queue.scheduler.publish_if_missing(config_fields(self.host.settings)):
+            log.warning("the scheduler's configuration was gone from Redis; published again")
         await self.adopt_stranded()
         await self.prune_consumers()
         await self.poll_cancel_flags()

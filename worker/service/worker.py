@@ -27,6 +27,7 @@ from worker.aio import cancel_and_wait
 from worker.retry import retry_redis
 from worker.service.entries import EntryFate, HeldEntry
 from worker.service.health import MetricsServer
+from worker.service.limits import FleetLimits
 from worker.service.metrics import Metrics
 from worker.service.pipeline import Attempt, Services, run_job
 from worker.service.runtime import default_upstream_unset, startup_summary
@@ -40,6 +41,7 @@ from worker.store.queue import Entry, Queue
 from worker.store.records import Records, Started
 from worker.store.redis_client import RedisClient
 from worker.store.replication import Replication
+from worker.store.scheduler import config_fields
 from worker.upstream.client import UpstreamClient
 
 log = logging.getLogger("chatstream.worker")
@@ -89,11 +91,13 @@ class Worker:
             settings, on_retry=self.metrics.on_upstream_retry
         )
         self.metrics.watch_upstreams(self._upstream_health)
+        self.metrics.watch_tenants(self._running_by_tenant)
         self.liveness = Liveness(redis, self.keys, self.name, settings.heartbeat_timeout)
         self.services = Services(
             settings, self.records, self.publisher, self.upstream, self.name, metrics=self.metrics
         )
         self.fate = EntryFate(self.queue, self.records, self.replication, self.keys, self.metrics)
+        self.limits = FleetLimits(settings, self.queue.scheduler)
         self.upkeep = Upkeep(self)
         self.running: dict[str, HeldEntry] = {}
         self.processed = 0
@@ -113,11 +117,19 @@ class Worker:
         if isinstance(self.redis, RedisCluster):
             await self.redis.initialize()  # the slot map, before commands run concurrently
         await self.queue.ensure_group()
+        await self._publish_configuration()
         await self.records.load_scripts()
         await self.liveness.load()
         self.publisher.start()
         self._background = self.upkeep.tasks()
         self._log_configuration()
+
+    async def _publish_configuration(self) -> None:
+        """The limits, weights and upstream names this worker runs with, for the scheduler
+        scripts every producer and worker runs (they must agree across the fleet)."""
+        before = await self.queue.scheduler.publish(config_fields(self.settings))
+        if before:
+            log.info("the fleet's scheduler configuration in Redis changed (was %s)", before)
 
     def _log_configuration(self) -> None:
         """One INFO line: what this worker runs with (no secrets); a WARNING when nobody
@@ -277,7 +289,7 @@ class Worker:
             return
         held.claimed = True
         await self.slots.take(held)
-        started = await self._start(job_id, entry.ref, delivery)
+        started = await self._start(entry, job_id, delivery)
         if started.state != "started":
             held.settling = True
             await retry_redis(f"job {job_id}: skipping", lambda: self.fate.skip(entry, started))
@@ -286,16 +298,23 @@ class Worker:
         stream = self.publisher.open(job_id, started.attempt)
         job = held.job = Attempt(job_id, started.attempt, started.request, started.upstream, stream)
         job.idle = self.slots.without_slot(held)
+        job.limits = self.limits.for_entry(entry, job.upstream, job.idle)
         outcome = await run_job(self.services, job)
         held.settling = True
         await retry_redis(f"job {job_id}: settling", lambda: self.fate.settle(held, job, outcome))
 
-    async def _start(self, job_id: str, entry_ref: str, delivery: int) -> Started:
+    async def _start(self, entry: Entry, job_id: str, delivery: int) -> Started:
         max_attempts, token = self.settings.max_attempts, secrets.token_hex(8)
         return await retry_redis(
             f"job {job_id}: starting",
             lambda: self.records.start(
-                job_id, self.name, max_attempts, entry_ref, token, delivery=delivery
+                job_id,
+                self.name,
+                max_attempts,
+                entry.ref,
+                token,
+                delivery=delivery,
+                dispatched_at=entry.dispatched_at,
             ),
         )
 
@@ -328,6 +347,12 @@ class Worker:
             return held.waiting
         gate = self.upstream.gates.get(job.upstream)
         return gate is not None and gate.down
+
+    def _running_by_tenant(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for held in self.running.values():
+            counts[held.entry.tenant] = counts.get(held.entry.tenant, 0) + 1
+        return counts
 
     def _upstream_health(self) -> list[tuple[str, bool, int]]:
         gates = self.upstream.gates.values()

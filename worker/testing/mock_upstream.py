@@ -46,15 +46,23 @@ stream sleep at least that long between writes, coalescing the tokens due meanwh
 fewer writes for thousands of slow streams). ``timestamps: true`` makes every
 content token the send time ``f"{time.time():.6f} "`` so consumers can measure latency.
 
+Provider limits (server-only): ``max_concurrent`` answers 429 to a request that arrives
+while that many are in progress, ``requests_per_minute`` to one beyond that many in the
+last 60 s (as a provider counts, the rejected ones too); both with ``Retry-After``.
+
 Observability on the app: ``requests`` (per path), ``key_requests`` (per ``mock.key``),
-``open_streams``, ``streams_started``, ``disconnects`` ([(key, time.monotonic())] of
-clients that went away mid-response), ``disconnected`` (an ``asyncio.Event``) and
-``send_times`` (time.time() of each token chunk when ``record_send_times``).
+``open_streams``, ``streams_started``, ``most_concurrent`` (the most requests in progress
+at once), ``rate_limited`` (429s sent for the limits above; ``rate_limited_at``: when),
+``disconnects`` ([(key,
+time.monotonic())] of clients that went away mid-response), ``disconnected`` (an
+``asyncio.Event``) and ``send_times`` (time.time() of each token chunk when
+``record_send_times``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -132,6 +140,8 @@ class MockConfig:
     record_send_times: bool = False
     batch_events: int = 16
     batch_bytes: int = 4096
+    max_concurrent: int = 0  # a provider's caps: beyond them, HTTP 429 with Retry-After
+    requests_per_minute: int = 0  # (0: none); counted in any 60 s, rejected ones included
 
 
 _INT, _FLOAT, _BOOL, _STR, _OPT_STR, _STRS = "int", "float", "bool", "str", "str|None", "list[str]"
@@ -636,6 +646,11 @@ class MockUpstream:
         self.disconnects: list[tuple[str, float]] = []
         self.disconnected = asyncio.Event()
         self.send_times: list[float] = []
+        self.in_progress = 0
+        self.most_concurrent = 0
+        self.rate_limited = 0
+        self.rate_limited_at: list[float] = []  # time.monotonic() of each of those 429s
+        self._recent: collections.deque[float] = collections.deque()  # request times
         self._completions = 0
         self._live: set[asyncio.Task[bool]] = set()
 
@@ -676,6 +691,32 @@ class MockUpstream:
         if not self._authorized(scope):
             await _send_http_fault(send, 401, self.config)
             return
+        if self._over_limits():
+            self.rate_limited += 1
+            self.rate_limited_at.append(time.monotonic())
+            await _send_http_fault(send, 429, self.config)
+            return
+        self.in_progress += 1
+        self.most_concurrent = max(self.most_concurrent, self.in_progress)
+        try:
+            await self._chat_within_limits(scope, receive, send, body)
+        finally:
+            self.in_progress -= 1
+
+    def _over_limits(self) -> bool:
+        """A provider's caps (``max_concurrent``, ``requests_per_minute``) are reached."""
+        config, now = self.config, time.monotonic()
+        if config.requests_per_minute:
+            while self._recent and self._recent[0] <= now - 60:
+                self._recent.popleft()
+            self._recent.append(now)
+            if len(self._recent) > config.requests_per_minute:
+                return True
+        return bool(config.max_concurrent) and self.in_progress >= config.max_concurrent
+
+    async def _chat_within_limits(
+        self, scope: Message, receive: Receive, send: Send, body: bytes
+    ) -> None:
         try:
             request = _parse_request(body)
             options = resolve_options(request, self.config)

@@ -27,7 +27,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, context
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from tenacity import (
@@ -68,6 +68,17 @@ HTTP_LOGGERS = (
 _HTTP_LOG_REDACTION = RedactFilter([])
 
 OnRetry = Callable[[BaseException, float], None]
+
+
+class Pacing(Protocol):
+    """What a fleet-wide limit asks of each try (``worker/service/limits.py``): the client
+    knows nothing of where the limits are kept."""
+
+    async def before_try(self) -> None:
+        """Wait until the upstream may be sent one more request (waits without the slot)."""
+
+    async def rate_limited(self, retry_after: float | None) -> None:
+        """The upstream answered 429: the fleet pauses it (``retry_after`` when it said)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,12 @@ class UpstreamClient:
         return self.gates[name]
 
     def stream(
-        self, upstream: str, body: dict[str, Any], *, idle: IdleSlot = keep_slot
+        self,
+        upstream: str,
+        body: dict[str, Any],
+        *,
+        idle: IdleSlot = keep_slot,
+        pacing: Pacing | None = None,
     ) -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
         """POST ``body`` to the upstream named ``upstream``; yields its raw body bytes.
 
@@ -132,7 +148,7 @@ class UpstreamClient:
         Entering retries everything before the first body byte; while the upstream is down
         the caller waits inside ``idle()`` (the worker gives the job's slot back there).
         Leaving (normally, by an exception or by cancellation) closes the response and its
-        connection.
+        connection. ``pacing`` is asked before every try and told of every 429.
         """
         target = self._settings.upstream(upstream)
         request = self._http.build_request(
@@ -142,13 +158,18 @@ class UpstreamClient:
             headers=_request_headers(target),
             timeout=self._timeout,
         )
-        return self._stream(upstream, target, request, idle)
+        return self._stream(upstream, target, request, idle, pacing)
 
     @asynccontextmanager
     async def _stream(
-        self, name: str, target: Upstream, request: httpx.Request, idle: IdleSlot
+        self,
+        name: str,
+        target: Upstream,
+        request: httpx.Request,
+        idle: IdleSlot,
+        pacing: Pacing | None,
     ) -> AsyncIterator[AsyncIterator[bytes]]:
-        opened = await self._open(name, target, request, idle)
+        opened = await self._open(name, target, request, idle, pacing)
         relay = self._relay(name, opened)
         try:
             yield relay
@@ -157,7 +178,12 @@ class UpstreamClient:
             await opened.response.aclose()
 
     async def _open(
-        self, name: str, target: Upstream, request: httpx.Request, idle: IdleSlot
+        self,
+        name: str,
+        target: Upstream,
+        request: httpx.Request,
+        idle: IdleSlot,
+        pacing: Pacing | None,
     ) -> _Opened:
         attempts = self._settings.retry_attempts
         gate = self.gate(name)
@@ -169,7 +195,9 @@ class UpstreamClient:
             reraise=True,
         )
         try:
-            opened: _Opened = await retrying(self._gated_attempt, gate, idle, target, request)
+            opened: _Opened = await retrying(
+                self._gated_attempt, gate, idle, target, request, pacing
+            )
         except RetryableUpstreamError as exc:
             # reraise=True: only exhaustion lets a retryable error out, never RetryError.
             plural = "s" if attempts != 1 else ""
@@ -179,10 +207,23 @@ class UpstreamClient:
         return opened
 
     async def _gated_attempt(
-        self, gate: UpstreamGate, idle: IdleSlot, target: Upstream, request: httpx.Request
+        self,
+        gate: UpstreamGate,
+        idle: IdleSlot,
+        target: Upstream,
+        request: httpx.Request,
+        pacing: Pacing | None,
     ) -> _Opened:
         async with gate.admitted(idle):
-            return await self._attempt(gate.name, target, request)
+            if pacing is None:
+                return await self._attempt(gate.name, target, request)
+            await pacing.before_try()
+            try:
+                return await self._attempt(gate.name, target, request)
+            except RetryableUpstreamError as exc:
+                if exc.status == 429:
+                    await pacing.rate_limited(exc.retry_after)
+                raise
 
     async def _attempt(self, name: str, target: Upstream, request: httpx.Request) -> _Opened:
         """One try: send, accept status and content type, wait for the first body byte."""
