@@ -329,6 +329,17 @@ async def test_jobs_lists_newest_first(cli: Cli, worker: subprocess.Popen[bytes]
     assert first.stderr.startswith("(more: chatstream jobs --before ")
 
 
+async def test_enqueue_names_the_tenant_and_the_priority(cli: Cli) -> None:
+    args = ("enqueue", "--model", "m", "--message", "mine", "--tenant", "acme")
+    enqueue = await cli.run(*args, "--priority", "high")
+    assert enqueue.returncode == 0, enqueue.stderr
+    record = await cli.client.get(enqueue.stdout.strip())
+    assert (record.tenant, record.priority) == ("acme", "high")
+    bad = await cli.run(*args[:-2], "--tenant", "no spaces")
+    assert bad.returncode == 1 and "tenant" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
 async def test_cancel_of_a_queued_job(cli: Cli) -> None:
     enqueue = await cli.run("enqueue", "--model", "m", "--message", "later")
     assert enqueue.returncode == 0, enqueue.stderr

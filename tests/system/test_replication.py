@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from tests.helpers.checks import (
     check_stream,
     eventually,
+    jobs_queued,
     queue_is_drained,
     stream_entries,
 )
@@ -95,13 +96,13 @@ async def test_enqueue_without_a_replica_raises_yet_queues_the_job(
         await client.enqueue(chat("no replica"), job_id="lonely")
     assert time.monotonic() - began < 3  # one bounded WAIT, not a hang
     assert (await client.get("lonely")).status == "queued"  # the master has it all the same
-    assert await master.xlen(client.keys.queue) == 1
+    assert await jobs_queued(master, client.keys) == 1
     replica = await start_replica(own_redis, tmp_path / "replica")
     patient = Client.from_settings(config.model_copy(update=PATIENT), master)
     try:
         assert await patient.enqueue(chat("no replica"), job_id="lonely") == "lonely"  # now it is
         assert await patient.enqueue(chat("with replica"), job_id="paired") == "paired"
-        assert await master.xlen(client.keys.queue) == 2
+        assert await jobs_queued(master, client.keys) == 2
     finally:
         replica.stop()
         await client.replication.aclose()

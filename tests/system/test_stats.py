@@ -41,9 +41,10 @@ async def test_stats_command_prints_json_and_a_table(
         assert process.returncode == 0, err.decode()
         outputs.append(out.decode())
     data = json.loads(outputs[0])
-    assert data["queue_length"] == 5
+    assert (data["queue_length"], data["waiting"], data["pending"]) == (3, 2, 3)
+    assert data["tenants"] == {"default": {"waiting": 2, "running": 3}}
     assert data["pending_by_consumer"] == {"a": 2, "b": 1}
     assert data["dead_letters"] == 2
     assert data["live_workers"] == ["w-live-1", "w-live-2"]
     assert data["oldest_waiting_seconds"] >= 0
-    assert "5 entries: 2 waiting, 3 pending" in outputs[1]
+    assert "2 waiting, 3 pending (3 stream entries)" in outputs[1]

@@ -130,7 +130,13 @@ async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
     if args.mock:
         request["mock"] = args.mock
     async with connected(settings) as client:
-        job_id = await client.enqueue(request, job_id=args.job_id, upstream=args.upstream)
+        job_id = await client.enqueue(
+            request,
+            job_id=args.job_id,
+            upstream=args.upstream,
+            tenant=args.tenant,
+            priority=args.priority,
+        )
         if not (args.follow or args.wait) or not args.json:
             print(job_id, flush=True)
         if not (args.follow or args.wait):
@@ -230,6 +236,8 @@ async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
         "fault": args.fault,
         "fault_after": args.fault_after,
         "keepalive_every": args.keepalive_every,
+        "max_concurrent": args.max_concurrent,
+        "requests_per_minute": args.requests_per_minute,
     }
     async with serve_mock(host=args.host, port=args.port, **options) as url:
         print(f"mock upstream listening on {url}", flush=True)
@@ -313,6 +321,13 @@ def _add_enqueue(sub: Any) -> None:
     p.add_argument("--system", help="an optional system message")
     p.add_argument("--upstream", default="default", help="a configured upstream name")
     p.add_argument("--job-id", help="client-chosen id (makes enqueue idempotent)")
+    p.add_argument("--tenant", default="default", help="who the job is for (fair shares)")
+    p.add_argument(
+        "--priority",
+        choices=["high", "normal", "low"],
+        default="normal",
+        help="within the tenant: high before normal before low",
+    )
     p.add_argument("--mock", type=json.loads, help=argparse.SUPPRESS)
     p.add_argument("--follow", action="store_true", help="print tokens live")
     p.add_argument("--wait", action="store_true", help="wait for the final record")
@@ -365,6 +380,12 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--fault", help="inject a fault: http_NNN, midstream_error, truncate, ...")
     p.add_argument("--fault-after", type=int, default=3, help="tokens before a mid-stream fault")
     p.add_argument("--keepalive-every", type=int, default=0, help="': keep-alive' every N chunks")
+    p.add_argument(
+        "--max-concurrent", type=int, default=0, help="429 beyond this many requests at once"
+    )
+    p.add_argument(
+        "--requests-per-minute", type=int, default=0, help="429 beyond this many in any 60 s"
+    )
     p.set_defaults(command=mock_command)
     p = sub.add_parser("demo", help="stream one reply end to end (embedded Redis and upstream)")
     p.add_argument("--message", default="Explain what a durable token stream is.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
@@ -16,10 +16,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from schemas.jobs import JobRecord, JobStatus
+from schemas.requests import PRIORITY_RANK, Priority
 from worker.errors import JobNotFoundError
 from worker.gateway.core import (
     CANCEL_HEADER,
     IDEMPOTENCY_KEY,
+    PRIORITY_HEADER,
     TRUE,
     Gateway,
     GatewayError,
@@ -103,6 +105,19 @@ def idempotency_key(request: Request) -> str | None:
     return value
 
 
+PRIORITIES = frozenset(PRIORITY_RANK)
+
+
+def priority_of(request: Request) -> Priority:
+    """``X-Chatstream-Priority: high | normal | low`` (default normal), or a 400."""
+    value = request.headers.get(PRIORITY_HEADER, "normal").strip().lower()
+    if value not in PRIORITIES:
+        raise GatewayError(
+            400, f"{PRIORITY_HEADER} must be high, normal or low", code="invalid_priority"
+        )
+    return cast("Priority", value)
+
+
 # -- endpoints ------------------------------------------------------------------------------
 
 
@@ -114,7 +129,7 @@ async def chat_completions(request: Request) -> Response | EventStream:
     respond_async = "respond-async" in request.headers.get("prefer", "").lower()
     slot = None if respond_async else gateway.slots.take(key.id)  # before the job exists
     try:
-        info = await gateway.submit(key, body, idempotency_key(request))
+        info = await gateway.submit(key, body, idempotency_key(request), priority_of(request))
         headers = {
             "x-chatstream-job-id": info.job_id,
             "x-chatstream-events-token": key.events_token(info.job_id),
@@ -266,6 +281,7 @@ CORS_HEADERS = [
     "last-event-id",
     "prefer",
     CANCEL_HEADER,
+    PRIORITY_HEADER,
 ]
 EXPOSED_HEADERS = ["x-chatstream-job-id", "x-chatstream-events-token", "retry-after"]
 

@@ -1,7 +1,10 @@
 """The gateway's API keys: bearer keys from the settings, checked in constant time.
 
 ``CHATSTREAM_GATEWAY_API_KEYS`` is a comma-separated list; an entry is a key or
-``sha256:<64 hex digits>``, the SHA-256 of a key (so the key itself need not be stored).
+``sha256:<64 hex digits>``, the SHA-256 of a key (so the key itself need not be stored),
+either optionally after a tenant name and ``=`` (``acme=sk-...``, ``acme=sha256:...``): the
+jobs of that key belong to that tenant (docs/gateway.md), else to the tenant named by the
+key's id. A key that itself holds ``=`` after a name-like start is given as its ``sha256:``.
 Every key is kept only as its digest: a presented key is hashed and compared with every
 configured digest by ``hmac.compare_digest``, without stopping at the first match.
 
@@ -27,12 +30,18 @@ from pydantic import SecretStr
 from worker.errors import ConfigError
 
 _HASHED = re.compile(r"sha256:([0-9a-fA-F]{64})")
+_NAMED = re.compile(r"([A-Za-z0-9_.-]{1,64})=([^=].*)")
 
 
 @dataclass(frozen=True)
 class ApiKey:
     id: str
     digest: bytes
+    tenant: str = ""  # the tenant its jobs belong to ('' = its id)
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant or self.id
 
     def events_token(self, job_id: str) -> str:
         mac = hmac.new(self.digest, f"events:{job_id}".encode(), hashlib.sha256).digest()
@@ -40,6 +49,8 @@ class ApiKey:
 
 
 def _parse_entry(entry: str) -> ApiKey:
+    named = _NAMED.fullmatch(entry)
+    tenant, entry = (named.group(1), named.group(2)) if named else ("", entry)
     hashed = _HASHED.fullmatch(entry)
     if hashed:
         digest = bytes.fromhex(hashed.group(1))
@@ -49,7 +60,7 @@ def _parse_entry(entry: str) -> ApiKey:
         )
     else:
         digest = hashlib.sha256(entry.encode()).digest()
-    return ApiKey(id="k" + digest.hex()[:16], digest=digest)
+    return ApiKey(id="k" + digest.hex()[:16], digest=digest, tenant=tenant)
 
 
 class ApiKeys:

@@ -28,10 +28,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from schemas.jobs import TERMINAL, JobStatus
-from schemas.requests import JOB_ID_PATTERN, ChatRequest
+from schemas.requests import JOB_ID_PATTERN, ChatRequest, Priority
 from worker.aio import cancel_and_wait
 from worker.client import Client
-from worker.errors import ChatstreamError, InvalidJobError, JobNotFoundError, NotReplicatedError
+from worker.errors import (
+    ChatstreamError,
+    InvalidJobError,
+    JobNotFoundError,
+    NotReplicatedError,
+    QueueFullError,
+)
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKey, ApiKeys, bearer
 from worker.gateway.hub import JobFeed, Row, event_hub, is_terminal
@@ -50,6 +56,8 @@ IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 RETRY_LINE = b"retry: 1000\n"
 TRUE = frozenset({"1", "true", "yes"})
 CANCEL_HEADER = "x-chatstream-cancel-on-disconnect"
+PRIORITY_HEADER = "x-chatstream-priority"
+QUEUE_FULL_RETRY_AFTER = 5  # seconds: a full tenant queue drains at the fleet's pace
 TERMINAL_VALUES = frozenset(status.value for status in TERMINAL)
 
 
@@ -196,7 +204,11 @@ class Gateway:
     # -- creating jobs ----------------------------------------------------------------------
 
     async def submit(
-        self, key: ApiKey, body: dict[str, Any], idempotency_key: str | None
+        self,
+        key: ApiKey,
+        body: dict[str, Any],
+        idempotency_key: str | None,
+        priority: Priority = "normal",
     ) -> JobInfo:
         """Enqueue the request as a job of ``key`` (or find the one the key already made)."""
         _check_chat_request(body)  # before it spends a job of the key's rate
@@ -231,9 +243,19 @@ class Gateway:
             "request_sha256": sha,
         }
         try:
-            job_id = await self.client.enqueue(body, job_id=job_id, metadata=metadata)
+            job_id = await self.client.enqueue(
+                body, job_id=job_id, metadata=metadata, tenant=key.tenant_name, priority=priority
+            )
         except InvalidJobError as exc:
             raise GatewayError(400, exc.message, code="invalid_request") from None
+        except QueueFullError as exc:
+            raise GatewayError(
+                429,
+                exc.message,
+                type_="rate_limit_error",
+                code="queue_full",
+                headers={"retry-after": str(QUEUE_FULL_RETRY_AFTER)},
+            ) from None
         except NotReplicatedError as exc:  # queued on the master: a retry waits again
             headers = {"retry-after": "1"}
             raise GatewayError(
