@@ -536,6 +536,7 @@ def served_metric_names() -> set[str]:
     metrics = Metrics()
     metrics.queue.counts = QueueCounts(0, 0, 0)
     metrics.watch_upstreams(lambda: [])  # what every worker registers at start
+    metrics.watch_tenants(dict)
     suffixes = {
         "counter": ("_total",),
         "histogram": ("", "_bucket", "_count", "_sum"),  # the table names the family
