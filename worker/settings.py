@@ -25,6 +25,17 @@ class Upstream(BaseModel):
     headers: dict[str, str] = Field(
         default_factory=dict, description="Extra request headers (e.g. HTTP-Referer)."
     )
+    provider: str = Field(
+        "openai",
+        pattern=r"^[a-z0-9_.]{1,64}$",
+        description="`gen_ai.provider.name` on traces and OTLP metrics: an OpenTelemetry "
+        "well-known value (openai, azure.ai.openai, groq, mistral_ai, ...) or your own.",
+    )
+    forward_baggage: bool = Field(
+        False,
+        description="Send the W3C `baggage` a job was enqueued with to this upstream, beside "
+        "`traceparent` (off: baggage may hold internal data a third party must not see).",
+    )
 
     @property
     def completions_url(self) -> str:
@@ -58,8 +69,8 @@ class Settings(BaseSettings):
     )
     upstreams: dict[str, Upstream] = Field(
         default_factory=dict,
-        description="Named upstreams as JSON: {name: {url, api_key?, headers?}}; a job "
-        "picks one by name.",
+        description="Named upstreams as JSON: {name: {url, api_key?, headers?, provider?, "
+        "forward_baggage?}}; a job picks one by name.",
     )
 
     concurrency: int = Field(

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from schemas.jobs import JobRecord, JobStatus
+from worker import telemetry
 from worker.errors import JobNotFoundError
 from worker.gateway.core import (
     CANCEL_HEADER,
@@ -285,8 +286,13 @@ def create_app(settings: Settings, redis: RedisClient | None = None) -> Starlett
                 expose_headers=EXPOSED_HEADERS,
             )
         )
+    routes = [*API_ROUTES, *page_routes()]
+    if telemetry.tracing_on():  # each request in a span, a child of its traceparent
+        from worker.gateway.tracing import TraceRequests
+
+        middleware.insert(0, Middleware(TraceRequests, routes=routes))
     app = Starlette(
-        routes=[*API_ROUTES, *page_routes()],
+        routes=routes,
         middleware=middleware,
         exception_handlers={
             GatewayError: on_gateway_error,
