@@ -24,7 +24,7 @@ pytest.importorskip("opentelemetry.proto", reason="needs the otel extra: pip ins
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tests.helpers.checks import eventually
+from tests.helpers.checks import until_serving
 from tests.helpers.fleet import Fleet
 from tests.helpers.gateway_env import KEY
 from tests.helpers.harness import MOCK, chat
@@ -75,14 +75,7 @@ async def stop_gateway(gateway: subprocess.Popen[bytes]) -> None:
 
 async def ask_gateway(port: int, headers: dict[str, str]) -> httpx.Response:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-
-        async def up() -> bool:
-            try:
-                return (await http.get("/healthz")).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        await eventually(up, timeout=20, every=0.1)
+        await until_serving(http)
         auth = {"authorization": f"Bearer {KEY}", **headers}
         return await http.post("/v1/chat/completions", json=chat(PROMPT), headers=auth, timeout=20)
 
