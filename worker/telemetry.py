@@ -93,6 +93,7 @@ def setup(service_name: str, environ: Mapping[str, str] = os.environ) -> Exporti
     if not requested(environ):
         return None
     _check_protocol(environ)
+    traces, meters = _wanted("traces", environ), _wanted("metrics", environ)
     try:
         from worker import telemetry_sdk
     except ImportError as exc:
@@ -103,10 +104,7 @@ def setup(service_name: str, environ: Mapping[str, str] = os.environ) -> Exporti
             exc,
         )
         return None
-    providers = telemetry_sdk.install(
-        service_name, traces=_wanted("traces", environ), meters=_wanted("metrics", environ)
-    )
-    return Exporting(providers)
+    return Exporting(telemetry_sdk.install(service_name, traces=traces, meters=meters))
 
 
 def tracing_on() -> bool:

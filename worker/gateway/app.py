@@ -267,6 +267,7 @@ CORS_HEADERS = [
     "last-event-id",
     "prefer",
     CANCEL_HEADER,
+    *telemetry.TRACE_FIELDS,  # a page's own OpenTelemetry sends traceparent (docs/gateway.md)
 ]
 EXPOSED_HEADERS = ["x-chatstream-job-id", "x-chatstream-events-token", "retry-after"]
 
