@@ -130,10 +130,16 @@ class ChoiceFinish(_Data):
 
 
 class _Extras(_Data):
-    """What a terminal entry carries besides its type's fields, when the upstream sent it."""
+    """What a terminal entry carries besides its type's fields, when the upstream sent it
+    (and, from a traced worker, its span's context)."""
 
     web_search: Any = Field(None, description="Provider extra (the last non-null value).")
     free_tier: Any = Field(None, description="Provider extra (the last non-null value).")
+    traceparent: str | None = Field(
+        None,
+        description="W3C traceparent of the worker's span of the attempt, when the worker "
+        "traces (OpenTelemetry): a consumer links its own span to it.",
+    )
 
 
 class _Finished(_Extras):
@@ -185,7 +191,8 @@ class StreamEvent(BaseModel):
     ``choices``: the other choices' with their ``index``, n > 1); reset: ``{reason}``;
     done: ``{finish_reason, usage}``; error: ``{error, finish_reason?, usage?}``;
     cancelled: ``{usage?}``; a terminal entry adds ``web_search`` / ``free_tier`` when the
-    upstream sent them and, n > 1, ``choices: [{index, finish_reason}]``. See
+    upstream sent them, ``traceparent`` when the worker traces and, n > 1,
+    ``choices: [{index, finish_reason}]``. See
     ``DATA_MODELS`` for each type's model.
     """
 

@@ -108,6 +108,15 @@ class JobRecord(BaseModel):
     web_search: Any = Field(None, description="Provider extra, when the upstream sent it.")
     free_tier: Any = Field(None, description="Provider extra, when the upstream sent it.")
     cancel_requested: bool = Field(False, description="A cancel was requested.")
+    traceparent: str | None = Field(
+        None, description="W3C traceparent of the span that enqueued the job (OpenTelemetry)."
+    )
+    tracestate: str | None = Field(None, description="W3C tracestate stored with traceparent.")
+    baggage: str | None = Field(
+        None,
+        description="W3C baggage of the enqueueing context; sent upstream only where the "
+        "upstream's forward_baggage says so.",
+    )
     # bookkeeping of the queue and the attempts (docs/redis.md#the-job-record)
     queue_entry: str | None = Field(None, description="The queue entry id of the enqueue.")
     entry: str | None = Field(None, description="The queue entry the latest attempt runs under.")

@@ -141,7 +141,18 @@ def test_xdist_groups_keep_their_tests_on_one_process(tmp_path: Path) -> None:
 
 # -- the layering: which room may import which (docs/decisions.md, "Layout") ---------------
 
-SHARED = {"settings", "urls", "errors", "logs", "retry", "aio", "speedups", "embedded_server"}
+SHARED = {
+    "settings",
+    "urls",
+    "errors",
+    "logs",
+    "retry",
+    "aio",
+    "speedups",
+    "embedded_server",
+    "telemetry",
+    "telemetry_sdk",
+}
 ALLOWED = {  # besides the shared modules and schemas, which every room may import
     "protocol": set(),
     "upstream": {"protocol"},

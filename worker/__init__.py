@@ -19,6 +19,8 @@ Shared by every room: ``settings`` (configuration), ``urls`` (the forms of
 ``CHATSTREAM_REDIS_URL``; URLs shown without secrets), ``errors`` (the exception tree),
 ``logs`` (log lines, secrets masked), ``retry`` (backoff policies), ``aio`` (asyncio
 helpers), ``speedups`` (uvloop, hiredis, httptools when installed), ``embedded_server``
-(uvicorn inside a running loop). What backend services import is ``client``
+(uvicorn inside a running loop), ``telemetry`` (OpenTelemetry: setup from the OTEL_*
+variables, W3C trace context, log ids) and ``telemetry_sdk`` (its SDK providers and OTLP
+exporters, the ``otel`` extra). What backend services import is ``client``
 (``Client``, ``SyncClient``) and ``schemas``.
 """

@@ -33,6 +33,7 @@ from worker.store.records import QUEUED_TO_TENANT, Records, as_text, dumps
 from worker.store.redis_client import RedisClient, connect, redis_from_settings
 from worker.store.replication import Replication
 from worker.store.scheduler import PUSH, Waiting, check_push
+from worker.telemetry import context_fields
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
@@ -448,6 +449,7 @@ def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
         "priority": spec.priority,
         "created_at": f"{time.time():.6f}",
         "attempt": "0",
+        **context_fields(),  # the caller's trace context, when it runs in a span
     }
 
 

@@ -7,9 +7,10 @@ secrets the settings know (API keys, the Redis password) should one ever reach a
 or a traceback. Both filters sit on the handler, so they cover third-party loggers too.
 
 JSON lines have ``ts``, ``level``, ``logger``, ``message``, then ``worker``, ``job``,
-``attempt`` when known, the line's own structured ``fields`` (``extra={"fields": {...}}``:
-the start-up configuration, a failed job's error) and ``exc`` (the formatted traceback)
-when there is one.
+``attempt`` when known, ``trace_id`` and ``span_id`` while an OpenTelemetry span is active
+(a traced job's lines: its attempt's span), the line's own structured ``fields``
+(``extra={"fields": {...}}``: the start-up configuration, a failed job's error) and
+``exc`` (the formatted traceback) when there is one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import IO, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from worker.settings import Settings
+from worker.telemetry import log_ids
 
 MASK = "***"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -174,6 +176,7 @@ class JsonFormatter(logging.Formatter):
             value = getattr(record, name, None)
             if value is not None:
                 line[name] = value
+        line.update(log_ids())  # trace_id, span_id while a span is active (OpenTelemetry)
         fields = getattr(record, "fields", None)  # logger.warning(..., extra={"fields": {}})
         if isinstance(fields, dict):
             line.update((k, v) for k, v in fields.items() if k not in line)

@@ -52,6 +52,17 @@ class Upstream(UpstreamLimits):
     headers: dict[str, str] = Field(
         default_factory=dict, description="Extra request headers (e.g. HTTP-Referer)."
     )
+    provider: str = Field(
+        "openai",
+        pattern=r"^[a-z0-9_.]{1,64}$",
+        description="`gen_ai.provider.name` on traces and OTLP metrics: an OpenTelemetry "
+        "well-known value (openai, azure.ai.openai, groq, mistral_ai, ...) or your own.",
+    )
+    forward_baggage: bool = Field(
+        False,
+        description="Send the W3C `baggage` a job was enqueued with to this upstream, beside "
+        "`traceparent` (off: baggage may hold internal data a third party must not see).",
+    )
 
     @property
     def completions_url(self) -> str:
@@ -85,9 +96,9 @@ class Settings(BaseSettings):
     )
     upstreams: dict[str, Upstream] = Field(
         default_factory=dict,
-        description="Named upstreams as JSON: {name: {url, api_key?, headers?, "
-        "max_concurrent?, requests_per_minute?, tokens_per_minute?}}; a job picks one by "
-        "name.",
+        description="Named upstreams as JSON: {name: {url, api_key?, headers?, provider?, "
+        "forward_baggage?, max_concurrent?, requests_per_minute?, tokens_per_minute?}}; a "
+        "job picks one by name.",
     )
     upstream_max_concurrent: int | None = Field(
         None,

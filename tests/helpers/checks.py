@@ -247,3 +247,15 @@ async def readiness(port: int) -> tuple[int, dict[str, Any]]:
 
 async def is_ready(port: int) -> bool:
     return (await readiness(port))[0] == 200
+
+
+async def until_serving(http: httpx.AsyncClient, timeout: float = 20) -> None:
+    """Until the gateway behind ``http`` answers ``/healthz`` with 200."""
+
+    async def up() -> bool:
+        try:
+            return (await http.get("/healthz")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    await eventually(up, timeout=timeout, every=0.1)

@@ -26,8 +26,8 @@ def spawn_worker(
 
 
 def clean_env() -> dict[str, str]:
-    """The test's environment without any CHATSTREAM_* setting of the developer's."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("CHATSTREAM_")}
+    """The test's environment without any CHATSTREAM_* or OTEL_* setting of the developer's."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("CHATSTREAM_", "OTEL_"))}
 
 
 async def stop_worker(process: subprocess.Popen[bytes], timeout: float = 5) -> int:

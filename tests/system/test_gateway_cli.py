@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.checks import eventually
+from tests.helpers.checks import until_serving
 from tests.helpers.fleet import Fleet
 from tests.helpers.gateway_env import KEY
 from tests.helpers.harness import MOCK, chat
@@ -56,14 +56,7 @@ async def test_the_gateway_command_serves_until_sigterm(fleet: Fleet, tmp_path: 
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", headers={"authorization": f"Bearer {KEY}"}
         ) as http:
-
-            async def up() -> bool:
-                try:
-                    return (await http.get("/healthz")).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            await eventually(up, timeout=20, every=0.1)
+            await until_serving(http)
             response = await http.post("/v1/chat/completions", json=chat("hi"), timeout=20)
         assert response.status_code == 200, response.text
         message = response.json()["choices"][0]["message"]

@@ -10,6 +10,7 @@
 ``limits``          open streams per key and process, jobs per minute per key (Redis)
 ``page``            the page at ``/`` (``static/``)
 ``server``          serving it with uvicorn
+``tracing``         OpenTelemetry: a SERVER span per request, child of its traceparent
 ``demo``            ``chatstream demo --gateway``
 =================== ====================================================================
 

@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from schemas.jobs import JobRecord, JobStatus
 from schemas.requests import PRIORITY_RANK, Priority
+from worker import telemetry
 from worker.errors import JobNotFoundError
 from worker.gateway.core import (
     CANCEL_HEADER,
@@ -282,6 +283,7 @@ CORS_HEADERS = [
     "prefer",
     CANCEL_HEADER,
     PRIORITY_HEADER,
+    *telemetry.TRACE_FIELDS,  # a page's own OpenTelemetry sends traceparent (docs/gateway.md)
 ]
 EXPOSED_HEADERS = ["x-chatstream-job-id", "x-chatstream-events-token", "retry-after"]
 
@@ -301,8 +303,13 @@ def create_app(settings: Settings, redis: RedisClient | None = None) -> Starlett
                 expose_headers=EXPOSED_HEADERS,
             )
         )
+    routes = [*API_ROUTES, *page_routes()]
+    if telemetry.tracing_on():  # each request in a span, a child of its traceparent
+        from worker.gateway.tracing import TraceRequests
+
+        middleware.insert(0, Middleware(TraceRequests, routes=routes))
     app = Starlette(
-        routes=[*API_ROUTES, *page_routes()],
+        routes=routes,
         middleware=middleware,
         exception_handlers={
             GatewayError: on_gateway_error,

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
+from worker import telemetry
 from worker.embedded_server import EmbeddedServer, bind, served
 from worker.gateway.app import create_app
 from worker.settings import Settings
@@ -34,7 +35,9 @@ def _config(settings: Settings, redis: RedisClient | None) -> uvicorn.Config:
 
 
 async def run_gateway(settings: Settings) -> int:
-    """Serve until SIGINT / SIGTERM, then stop gracefully (exit status 0)."""
+    """Serve until SIGINT / SIGTERM, then stop gracefully (exit status 0). Exports traces
+    over OTLP when the OTEL_* variables ask for it (``worker.telemetry``)."""
+    exporting = telemetry.setup("chatstream-gateway")
     redis = await connect(settings)
     try:
         async with serve_gateway(settings, redis) as url:
@@ -43,6 +46,8 @@ async def run_gateway(settings: Settings) -> int:
             log.info("gateway stopping")
     finally:
         await redis.aclose()
+        if exporting is not None:
+            await asyncio.to_thread(exporting.shutdown)  # the last spans
     return 0
 
 

@@ -10,6 +10,7 @@
                 stranded entries, cancel requests
 ``pipeline``    ``run_job()``: one attempt's whole data flow, top to bottom
 ``metrics``     Prometheus metrics
+``tracing``     OpenTelemetry: the attempt's span and the GenAI metrics (or nothing)
 ``health``      ``/metrics``, ``/healthz``, ``/readyz`` on ``CHATSTREAM_METRICS_PORT``
 ``runtime``     the start-up line: configuration without secrets, loop, parser
 ``supervisor``  ``chatstream worker --processes N``: restarts crashed workers

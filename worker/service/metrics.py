@@ -60,11 +60,17 @@ class JobTiming:
     started: float = field(default_factory=time.monotonic)
     first_delta: float | None = None
     deltas: int = 0
+    first_read: float | None = None  # the upstream's first body bytes (after its retries)
 
     def saw_output(self) -> None:
-        """Called once per upstream read: stamps the first delta's arrival."""
-        if self.first_delta is None and self.deltas:
-            self.first_delta = time.monotonic()
+        """Called once per upstream read: stamps the first read's and the first delta's
+        arrival (after the first delta, one comparison per read)."""
+        if self.first_delta is None:
+            now = time.monotonic()
+            if self.first_read is None:
+                self.first_read = now
+            if self.deltas:
+                self.first_delta = now
 
 
 class QueueGauges:

@@ -41,6 +41,7 @@ from worker.protocol.accumulator import Accumulator, FinalMessage
 from worker.protocol.sse import SSEDecoder
 from worker.service.limits import AttemptLimits
 from worker.service.metrics import JobTiming, Metrics
+from worker.service.tracing import NoTracing
 from worker.settings import Settings
 from worker.store.publisher import JobStream, Publisher, Terminal
 from worker.store.records import Records, dumps
@@ -91,6 +92,7 @@ class Services:
     upstream: UpstreamClient
     worker_name: str
     metrics: Metrics = field(default_factory=Metrics)
+    tracing: NoTracing = field(default_factory=NoTracing)  # the attempt's span, if traced
 
 
 async def run_job(services: Services, job: Attempt) -> Outcome:
@@ -99,6 +101,7 @@ async def run_job(services: Services, job: Attempt) -> Outcome:
     error: ChatstreamError | None = None
     try:
         body = load_request(job.request, services.settings.max_request_bytes)
+        services.tracing.requested(body)
         async with asyncio.timeout(services.settings.job_timeout):
             final, error = await stream_with_retries(services, job, body)
     except ChatstreamError as exc:
@@ -156,6 +159,7 @@ async def stream_with_retries(
             if plan is Retry.NEW_ATTEMPT and not await start_next_attempt(services, job):
                 return acc.finish(), exc
             services.metrics.pipeline_retry()
+            services.tracing.retried("stream", exc)
             log.info("job %s attempt %d: retrying after %s", job.job_id, job.attempt, exc.code)
 
 
@@ -226,6 +230,7 @@ async def start_next_attempt(services: Services, job: Attempt) -> bool:
         return False
     job.attempt = started.attempt
     logs.set_attempt(started.attempt)
+    services.tracing.reset(started.attempt)
     job.stream = services.publisher.open(job.job_id, started.attempt)
     return True
 
@@ -243,6 +248,7 @@ async def write_terminal(
     cancelled: bool = False,
 ) -> Outcome:
     terminal = build_terminal(final, error, cancelled=cancelled)
+    services.tracing.ending(terminal)
     written = await services.publisher.finish(job.stream, terminal)
     job.replicated = terminal.replicated
     if not written and job.stream.rolled_back:

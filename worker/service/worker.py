@@ -22,7 +22,7 @@ import socket
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from worker import logs
+from worker import logs, telemetry
 from worker.aio import cancel_and_wait
 from worker.retry import retry_redis
 from worker.service.entries import EntryFate, HeldEntry
@@ -32,6 +32,7 @@ from worker.service.metrics import Metrics
 from worker.service.pipeline import Attempt, Services, run_job
 from worker.service.runtime import default_upstream_unset, startup_summary
 from worker.service.slots import Slots
+from worker.service.tracing import NoTracing, tracing_for_process
 from worker.service.upkeep import Upkeep
 from worker.settings import Settings
 from worker.store.keys import Keys
@@ -64,6 +65,7 @@ class Worker:
         redis: RedisClient,
         upstream: UpstreamClient | None = None,
         name: str | None = None,
+        tracing: NoTracing | None = None,
     ) -> None:
         self.settings = settings
         self.redis = redis
@@ -87,14 +89,19 @@ class Worker:
             on_batch=self.metrics.on_batch,
             replication=self.replication,
         )
-        self.upstream = upstream or UpstreamClient(
-            settings, on_retry=self.metrics.on_upstream_retry
-        )
+        self.tracing = tracing or tracing_for_process(settings, self.metrics)
+        self.upstream = upstream or UpstreamClient(settings, on_retry=self._upstream_retried)
         self.metrics.watch_upstreams(self._upstream_health)
         self.metrics.watch_tenants(self._running_by_tenant)
         self.liveness = Liveness(redis, self.keys, self.name, settings.heartbeat_timeout)
         self.services = Services(
-            settings, self.records, self.publisher, self.upstream, self.name, metrics=self.metrics
+            settings,
+            self.records,
+            self.publisher,
+            self.upstream,
+            self.name,
+            metrics=self.metrics,
+            tracing=self.tracing,
         )
         self.fate = EntryFate(self.queue, self.records, self.replication, self.keys, self.metrics)
         self.limits = FleetLimits(settings, self.queue.scheduler)
@@ -299,7 +306,7 @@ class Worker:
         job = held.job = Attempt(job_id, started.attempt, started.request, started.upstream, stream)
         job.idle = self.slots.without_slot(held)
         job.limits = self.limits.for_entry(entry, job.upstream, job.idle)
-        outcome = await run_job(self.services, job)
+        outcome = await self.tracing.run(job, started, lambda: run_job(self.services, job))
         held.settling = True
         await retry_redis(f"job {job_id}: settling", lambda: self.fate.settle(held, job, outcome))
 
@@ -354,6 +361,11 @@ class Worker:
             counts[held.entry.tenant] = counts.get(held.entry.tenant, 0) + 1
         return counts
 
+    def _upstream_retried(self, exc: BaseException, wait: float) -> None:
+        """A try before the upstream's first byte failed and is retried after ``wait``."""
+        self.metrics.on_upstream_retry(exc, wait)
+        self.tracing.retried("upstream", exc, wait)
+
     def _upstream_health(self) -> list[tuple[str, bool, int]]:
         gates = self.upstream.gates.values()
         return [(gate.name, gate.down, gate.waiting) for gate in gates]
@@ -365,7 +377,9 @@ class Worker:
 
 
 async def serve(settings: Settings, redis: RedisClient) -> None:
-    """Run a worker until SIGTERM/SIGINT; a second signal exits at once."""
+    """Run a worker until SIGTERM/SIGINT; a second signal exits at once. Exports traces
+    and metrics over OTLP when the OTEL_* variables ask for it (``worker.telemetry``)."""
+    exporting = telemetry.setup("chatstream-worker")
     worker = Worker(settings, redis)
     loop = asyncio.get_running_loop()
     consume: asyncio.Task[None] | None = None
@@ -395,3 +409,5 @@ async def serve(settings: Settings, redis: RedisClient) -> None:
             raise
     finally:
         await worker.shutdown()
+        if exporting is not None:
+            await asyncio.to_thread(exporting.shutdown)  # the last spans and metrics

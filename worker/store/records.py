@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.commands.core import AsyncScript
@@ -22,6 +23,7 @@ from worker.store import lua
 from worker.store.batch import Command
 from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
+from worker.telemetry import TRACE_FIELDS
 
 JSONish = dict[str, Any]
 QUEUED_TO_TENANT = "tenant"  # queue_entry of a job handed to its tenant's queue
@@ -67,6 +69,8 @@ class Started:
     upstream: str = "default"
     dead_pending: bool = False  # failed for exhausted attempts, not yet on the dead stream
     error: str = ""  # exhausted | invalid: the error (JSON) the job failed with
+    created_at: float | None = None  # started: when the job was enqueued (its record's)
+    trace_context: Mapping[str, str] = field(default_factory=dict)  # started: W3C fields
 
 
 class Records:
@@ -159,7 +163,7 @@ class Records:
         result = await self._start(keys=self.job_keys(job_id), args=args)
         state = as_text(result[0])
         if state == "started":
-            return Started(state, int(result[1]), as_text(result[2]), as_text(result[3]))
+            return _started(result)
         attempt = int(result[1]) if len(result) > 1 else 0
         dead_pending = len(result) > 2 and as_text(result[2]) == "1"
         if len(result) > 4:  # failed here: exhausted | invalid
@@ -220,6 +224,26 @@ class Records:
     async def fetch(self, job_id: str) -> dict[str, str]:
         raw: dict[Any, Any] = await self.redis.hgetall(self.keys.job(job_id))
         return {as_text(k): as_text(v) for k, v in raw.items()}
+
+
+def _started(result: list[Any]) -> Started:
+    """START's ``started`` reply: attempt, request, upstream, then the job's origin
+    (created_at and the trace context fields, empty when the record has none)."""
+    created, *context = [as_text(value) for value in result[4:8]] + [""] * (8 - len(result))
+    pairs = zip(TRACE_FIELDS, context, strict=True)
+    trace_context = {name: value for name, value in pairs if value}
+    try:
+        created_at = float(created) if created else None
+    except ValueError:  # a producer's malformed created_at only loses the queued time
+        created_at = None
+    return Started(
+        "started",
+        int(result[1]),
+        as_text(result[2]),
+        as_text(result[3]),
+        created_at=created_at,
+        trace_context=trace_context,
+    )
 
 
 def as_text(value: Any) -> str:

@@ -53,16 +53,15 @@ last 60 s (as a provider counts, the rejected ones too); both with ``Retry-After
 Observability on the app: ``requests`` (per path), ``key_requests`` (per ``mock.key``),
 ``open_streams``, ``streams_started``, ``most_concurrent`` (the most requests in progress
 at once), ``rate_limited`` (429s sent for the limits above; ``rate_limited_at``: when),
-``disconnects`` ([(key,
-time.monotonic())] of clients that went away mid-response), ``disconnected`` (an
-``asyncio.Event``) and ``send_times`` (time.time() of each token chunk when
-``record_send_times``).
+``disconnects`` ([(key, time.monotonic())] of clients that went away mid-response),
+``disconnected`` (an ``asyncio.Event``), ``send_times`` (time.time() of each token chunk
+when ``record_send_times``) and ``request_headers`` (the headers of the latest chat
+requests, without authorization).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import json
@@ -71,7 +70,7 @@ import os
 import re
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -633,6 +632,15 @@ _ABORT_FILTER = _ExpectedAbortFilter()
 
 # --------------------------------------------------------------------------- the app
 
+MAX_RECORDED_HEADERS = 256  # chat requests whose headers ``request_headers`` keeps
+
+
+def _recorded_headers(scope: Message) -> dict[str, str]:
+    """A request's headers, lower-case names, without its authorization."""
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+    headers.pop("authorization", None)
+    return headers
+
 
 class MockUpstream:
     """The ASGI app. Holds the config and the observable counters (see module docstring)."""
@@ -650,7 +658,8 @@ class MockUpstream:
         self.most_concurrent = 0
         self.rate_limited = 0
         self.rate_limited_at: list[float] = []  # time.monotonic() of each of those 429s
-        self._recent: collections.deque[float] = collections.deque()  # request times
+        self._recent: deque[float] = deque()  # request times
+        self.request_headers: deque[dict[str, str]] = deque(maxlen=MAX_RECORDED_HEADERS)
         self._completions = 0
         self._live: set[asyncio.Task[bool]] = set()
 
@@ -685,6 +694,7 @@ class MockUpstream:
         await _send_json(send, 200, {"object": "list", "data": [model]})
 
     async def _chat(self, scope: Message, receive: Receive, send: Send) -> None:
+        self.request_headers.append(_recorded_headers(scope))
         body = await _read_body(receive)
         if body is None:
             return

@@ -50,6 +50,7 @@ from worker.errors import (
 from worker.logs import RedactFilter, secrets_of
 from worker.settings import Settings, Upstream
 from worker.speedups import chosen_transport
+from worker.telemetry import inject_upstream
 from worker.upstream.gate import IdleSlot, UpstreamGate, keep_slot
 
 logger = logging.getLogger("chatstream.upstream")
@@ -334,6 +335,7 @@ def _request_headers(target: Upstream) -> dict[str, str]:
     # identity: compression would make the upstream buffer tokens; aiter_bytes still
     # decodes a body compressed anyway.
     headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+    inject_upstream(headers, baggage=target.forward_baggage)  # the job's span, if traced
     if target.api_key is not None:
         headers["Authorization"] = f"Bearer {target.api_key.get_secret_value()}"
     headers.update(target.headers)

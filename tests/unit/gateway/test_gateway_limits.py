@@ -365,6 +365,7 @@ async def test_cors_allows_exactly_the_configured_origins(
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == "https://app.example"
     assert "idempotency-key" in preflight.headers["access-control-allow-headers"]
+    assert "traceparent" in preflight.headers["access-control-allow-headers"]
     assert response.headers["access-control-allow-origin"] == "https://app.example"
     assert "x-chatstream-job-id" in response.headers["access-control-expose-headers"]
     assert refused.status_code == 400

@@ -8,8 +8,10 @@
 -- Attempts count against max_attempts since the last requeue (budget_base), minus releases.
 -- A start from the entry the job runs under is a takeover only with a newer delivery: an
 -- older one (a reply a frozen worker reads late) is 'superseded' and starts nothing.
+-- 'started' also returns the record's created_at and the W3C trace context stored with it.
 local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'request', 'upstream',
-  'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested', 'delivery')
+  'entry', 'budget_base', 'dead_pending', 'start_token', 'cancel_requested', 'delivery',
+  'created_at', 'traceparent', 'tracestate', 'baggage')
 if not cur[1] and redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local known = {queued=true, running=true, succeeded=true, failed=true, cancelled=true}
 if not known[cur[1] or ''] or not tonumber(cur[2] or '0') then
@@ -28,8 +30,9 @@ if not known[cur[1] or ''] or not tonumber(cur[2] or '0') then
   return {'invalid', attempt, '', cur[5] or 'default', err}
 end
 local attempt = tonumber(cur[2] or '0')
+local origin = {cur[12] or '', cur[13] or '', cur[14] or '', cur[15] or ''}
 if cur[1] == 'running' and cur[9] == ARGV[7] then
-  return {'started', attempt, cur[4] or '', cur[5] or 'default'}
+  return {'started', attempt, cur[4] or '', cur[5] or 'default', unpack(origin)}
 end
 if cur[1] ~= 'queued' and cur[1] ~= 'running' then
   return {'terminal', attempt, cur[8] or ''}
@@ -73,4 +76,4 @@ if attempt > 1 then
     'data', cjson.encode({reason='attempt ' .. attempt .. ' starts; earlier deltas are void'}))
   redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
-return {'started', attempt, cur[4] or '', cur[5] or 'default'}
+return {'started', attempt, cur[4] or '', cur[5] or 'default', unpack(origin)}

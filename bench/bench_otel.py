@@ -1,0 +1,216 @@
+"""The worker's CPU per job with OpenTelemetry tracing on vs off (issue 25).
+
+Run: ``.venv/bin/python bench/bench_otel.py`` (full: about 3 minutes on a quiet machine)
+or ``--quick`` (a smoke run, about 40 s). bench/README.md explains how to read it.
+
+Two ``chatstream worker`` processes on one Redis (started here on a free loopback port)
+and one upstream (``bench/paced_upstream.py``, OpenAI-shaped chunks, one event per write),
+on different key prefixes: ``off`` without any OTEL_* variable, ``on`` exporting traces and
+metrics over OTLP/HTTP to a sink in this process (which answers 200 and counts what it
+gets). Rounds alternate between the two, so a slow phase of the machine hits both alike.
+One round: ``jobs`` jobs of ``tokens`` tokens, enqueued at once; the measure is the
+worker's utime + stime (/proc/<pid>/stat) over the round, per job. Two workloads:
+
+unpaced
+    the upstream sends as fast as the socket takes it (16 events per write)
+paced
+    ``rate`` tokens per second per stream (a provider's pace: one event per read)
+
+Target: tracing on costs at most 15% more CPU per job (a span per attempt, not per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from statistics import median
+from typing import Any, ClassVar
+
+from bench_worker import (
+    Proc,
+    cpu_seconds,
+    job_body,
+    mock_upstream,
+    redis_server,
+    spawn,
+    spread,
+    wait_terminals,
+)
+from redis.asyncio import Redis
+
+TARGET = 0.15  # at most 15% more CPU per job with tracing on
+
+
+@dataclass(frozen=True)
+class Plan:
+    jobs: int = 200
+    tokens: int = 200
+    rate: float = 50.0  # tokens/s per stream in the paced workload
+    rounds: int = 5
+
+
+QUICK = Plan(jobs=40, tokens=200, rate=100.0, rounds=1)
+
+
+class Sink(BaseHTTPRequestHandler):
+    """An OTLP/HTTP endpoint that takes everything and keeps only counts."""
+
+    counts: ClassVar[dict[str, int]] = {"requests": 0, "bytes": 0}
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        self.rfile.read(length)
+        Sink.counts["requests"] += 1
+        Sink.counts["bytes"] += length
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def otlp_sink() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def start_worker(
+    mode: str, redis_url: str, mock_url: str, endpoint: str, logs: Path, extra: dict[str, str]
+) -> Proc:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATSTREAM_", "OTEL_"))}
+    env.update(
+        CHATSTREAM_REDIS_URL=redis_url,
+        CHATSTREAM_PREFIX=f"bench-{mode}",
+        CHATSTREAM_UPSTREAM_URL=mock_url,
+        CHATSTREAM_CONCURRENCY="512",
+        CHATSTREAM_LOG_LEVEL="WARNING",
+    )
+    if mode == "on":
+        env.update(
+            OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+            OTEL_SERVICE_NAME="chatstream-bench",
+            OTEL_METRIC_EXPORT_INTERVAL="5000",
+        )
+        env.update(extra)
+    command = [str(Path(sys.executable).parent / "chatstream"), "worker"]
+    return spawn(f"worker-{mode}", command, logs, env)
+
+
+async def one_round(
+    redis: Redis, worker: Proc, mode: str, tag: str, jobs: int, body: dict[str, Any]
+) -> float:
+    """CPU seconds of ``worker`` per job, over ``jobs`` jobs enqueued at once."""
+    from worker.client import Client
+
+    client = Client(redis, prefix=f"bench-{mode}")
+    ids = [f"{tag}-{i}" for i in range(jobs)]
+    before = cpu_seconds(worker.pid)
+    jobs_to_run = [(job_id, body) for job_id in ids]
+    await spread(jobs_to_run, 0.0, lambda job: client.enqueue(job[1], job_id=job[0]))
+    keys = [client.keys.events(job_id) for job_id in ids]
+    _, types = await wait_terminals(redis, keys, worker, 300.0)
+    if types != {"done": jobs}:
+        raise RuntimeError(f"{mode}: {dict(types)}")
+    return (cpu_seconds(worker.pid) - before) / jobs
+
+
+async def workload(
+    redis: Redis, workers: dict[str, Proc], name: str, plan: Plan, body: dict[str, Any]
+) -> dict[str, float]:
+    """Median CPU per job of each mode, rounds alternating (after a warm-up round each)."""
+    per_job: dict[str, list[float]] = {mode: [] for mode in workers}
+    for mode, worker in workers.items():
+        await one_round(redis, worker, mode, f"{name}-warm", 20, body)
+    for n in range(plan.rounds):
+        for mode, worker in workers.items() if n % 2 == 0 else reversed(workers.items()):
+            used = await one_round(redis, worker, mode, f"{name}{n}", plan.jobs, body)
+            per_job[mode].append(used)
+            print(f"  {name:<8} round {n + 1} {mode:<3}: {per_job[mode][-1] * 1000:7.2f} ms/job",
+                  flush=True)  # fmt: skip
+    return {mode: median(values) for mode, values in per_job.items()}
+
+
+async def run(plan: Plan, logs: Path, extra: dict[str, str]) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, float]] = {}
+    with (
+        redis_server(logs) as (redis_url, _),
+        mock_upstream(logs) as (mock_url, _),
+        otlp_sink() as endpoint,
+    ):
+        workers = {mode: start_worker(mode, redis_url, mock_url, endpoint, logs, extra)
+                   for mode in ("off", "on")}  # fmt: skip
+        redis = Redis.from_url(redis_url)
+        try:
+            bodies = {
+                "unpaced": job_body(plan.tokens),
+                "paced": job_body(plan.tokens, rate=plan.rate),
+            }
+            for name, body in bodies.items():
+                results[name] = await workload(redis, workers, name, plan, body)
+        finally:
+            await redis.aclose()
+            for worker in workers.values():
+                worker.stop()
+    return results
+
+
+def report(results: dict[str, dict[str, float]], plan: Plan) -> bool:
+    print(f"\nCPU per job, {plan.tokens}-token jobs, {plan.jobs} at once, median of "
+          f"{plan.rounds} round(s); paced at {plan.rate:g} tokens/s")  # fmt: skip
+    print(f"{'workload':<9} {'off ms/job':>11} {'on ms/job':>10} {'overhead':>9}  target <= 15%")
+    ok = True
+    for name, modes in results.items():
+        overhead = modes["on"] / modes["off"] - 1
+        ok &= overhead <= TARGET
+        verdict = "ok" if overhead <= TARGET else "OVER"
+        print(f"{name:<9} {modes['off'] * 1000:11.2f} {modes['on'] * 1000:10.2f} "
+              f"{overhead:+9.1%}  {verdict}")  # fmt: skip
+    print(f"OTLP sink: {Sink.counts['requests']} export requests, {Sink.counts['bytes']:,} bytes")
+    return ok and Sink.counts["requests"] > 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    parser.add_argument("--rounds", type=int, help="rounds per workload and mode")
+    parser.add_argument("--jobs", type=int, help="jobs per round")
+    parser.add_argument(
+        "--on-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable for the traced worker only, e.g. OTEL_METRICS_EXPORTER=none",
+    )
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else Plan()
+    plan = Plan(args.jobs or plan.jobs, plan.tokens, plan.rate, args.rounds or plan.rounds)
+    extra = dict(item.split("=", 1) for item in args.on_env)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="chatstream-bench-otel-") as directory:
+        results = asyncio.run(run(plan, Path(directory), extra))
+    ok = report(results, plan)
+    print(f"({time.monotonic() - began:.0f} s)")
+    if not ok and not args.quick:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""The worker's OpenTelemetry: one span per attempt, the GenAI client metrics.
+
+The span follows the GenAI client inference span (``chat <model>``, kind CLIENT; decision
+55 names the conventions' version); it is a child of the trace context stored with the job
+at enqueue, and current while the attempt runs, so the upstream request carries its
+``traceparent`` and the job's JSON log lines its ids. What it carries is decided at the
+attempt's start, its request, its retries and resets, and its terminal write: never per
+token, and never the prompt or the reply.
+
+The pipeline calls the same hooks whether the process traces or not: :class:`NoTracing`
+does nothing and imports nothing; :class:`Tracing` (built by :func:`tracing_for_process`
+when a TracerProvider is set) needs the OpenTelemetry API. Metric attributes are bounded
+like the Prometheus labels: a model beyond the first ``metrics_max_models`` is ``other``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from worker import telemetry
+from worker.errors import ChatstreamError, UnknownUpstreamError
+from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from worker.service.metrics import JobTiming, Metrics
+    from worker.service.pipeline import Attempt, Outcome
+    from worker.store.publisher import Terminal
+    from worker.store.records import Started
+
+OPERATION = "chat"
+MAX_STATUS_MESSAGE = 300
+# the conventions' advised bucket boundaries: tokens, and seconds (duration and first chunk)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
+SECONDS_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                   40.96, 81.92)  # fmt: skip
+REQUEST_ATTRIBUTES = {  # request body field -> span attribute (numbers only, never text)
+    "max_completion_tokens": "gen_ai.request.max_tokens",
+    "max_tokens": "gen_ai.request.max_tokens",
+    "temperature": "gen_ai.request.temperature",
+    "top_p": "gen_ai.request.top_p",
+    "frequency_penalty": "gen_ai.request.frequency_penalty",
+    "presence_penalty": "gen_ai.request.presence_penalty",
+    "seed": "gen_ai.request.seed",
+}
+
+Work = Callable[[], Awaitable["Outcome"]]
+
+
+class NoTracing:
+    """The hooks when this process does not trace: nothing happens, nothing is imported."""
+
+    async def run(self, job: Attempt, started: Started, work: Work) -> Outcome:
+        """Run the attempt (``work``), in its span when tracing."""
+        return await work()
+
+    def requested(self, body: dict[str, Any]) -> None:
+        """The attempt's upstream body is known (its model names the span)."""
+
+    def retried(self, stage: str, exc: BaseException, wait: float | None = None) -> None:
+        """A retry: ``upstream`` before the first byte, ``stream`` of the whole stream."""
+
+    def reset(self, attempt: int) -> None:
+        """A new attempt of the job started within this run (its stream got a ``reset``)."""
+
+    def ending(self, terminal: Terminal) -> None:
+        """The terminal write is about to go out; a traced one names its span."""
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """What the spans and metrics say of an upstream: provider, host, port."""
+
+    provider: str
+    address: str | None = None
+    port: int | None = None
+
+    def attributes(self) -> dict[str, Any]:
+        found: dict[str, Any] = {"gen_ai.provider.name": self.provider}
+        if self.address is not None:
+            found["server.address"] = self.address
+        if self.port is not None:
+            found["server.port"] = self.port
+        return found
+
+
+@dataclass(slots=True)
+class _Traced:
+    """One traced run of an attempt, as its hooks see it (a context variable of its task)."""
+
+    span: Span
+    server: Server
+    request_model: str | None = None
+    terminal: Terminal | None = None
+    metric_attributes: dict[str, Any] = field(default_factory=dict)
+
+
+_current: ContextVar[_Traced | None] = ContextVar("chatstream_traced_attempt", default=None)
+
+
+class Tracing(NoTracing):
+    """Spans and GenAI metrics through the OpenTelemetry API (the global providers unless
+    given)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        tracer_provider: Any = None,
+        meter_provider: Any = None,
+    ) -> None:
+        from opentelemetry import metrics as otel_metrics
+        from opentelemetry import trace
+
+        self._settings = settings
+        self._labels = metrics
+        self._servers: dict[str, Server] = {}
+        version = _version()
+        self._tracer = trace.get_tracer(
+            "chatstream", version, tracer_provider, schema_url=telemetry.SCHEMA_URL
+        )
+        meter = otel_metrics.get_meter(
+            "chatstream", version, meter_provider, schema_url=telemetry.SCHEMA_URL
+        )
+        self._tokens = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            "{token}",
+            "Number of input and output tokens used.",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+        )
+        self._duration = meter.create_histogram(
+            "gen_ai.client.operation.duration",
+            "s",
+            "GenAI operation duration.",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+        )
+        self._first_chunk = meter.create_histogram(
+            "gen_ai.client.operation.time_to_first_chunk",
+            "s",
+            "Time to receive the first chunk.",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+        )
+
+    async def run(self, job: Attempt, started: Started, work: Work) -> Outcome:
+        from opentelemetry import context, trace
+
+        server = self.server(job.upstream)
+        parent = telemetry.job_context(started.trace_context)
+        span = self._tracer.start_span(
+            OPERATION,
+            parent,
+            trace.SpanKind.CLIENT,
+            _start_attributes(job, started, server),
+        )
+        traced = _Traced(span, server)
+        token = context.attach(trace.set_span_in_context(span, parent))
+        mine = _current.set(traced)
+        try:
+            outcome = await work()
+            self._finished(traced, job.timing, outcome)
+            return outcome
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+        finally:
+            _current.reset(mine)
+            context.detach(token)
+            span.end()
+
+    def server(self, upstream: str) -> Server:
+        """The upstream's provider and address (an unknown name: the provider ``openai``)."""
+        if upstream not in self._servers:
+            try:
+                target = self._settings.upstream(upstream)
+            except UnknownUpstreamError:
+                return Server("openai")
+            url = urlsplit(target.completions_url)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            self._servers[upstream] = Server(target.provider, url.hostname, port)
+        return self._servers[upstream]
+
+    def requested(self, body: dict[str, Any]) -> None:
+        traced = _current.get()
+        if traced is None:
+            return
+        model = body.get("model")
+        if isinstance(model, str):
+            traced.request_model = model
+            traced.span.update_name(f"{OPERATION} {model}")
+            traced.span.set_attribute("gen_ai.request.model", model)
+        traced.span.set_attributes(request_attributes(body))
+
+    def retried(self, stage: str, exc: BaseException, wait: float | None = None) -> None:
+        traced = _current.get()
+        if traced is None:
+            return
+        attributes: dict[str, Any] = {"chatstream.retry.stage": stage, "error.type": _code(exc)}
+        if wait is not None:
+            attributes["chatstream.retry.wait_seconds"] = round(wait, 6)
+        traced.span.add_event("chatstream.retry", attributes)
+
+    def reset(self, attempt: int) -> None:
+        traced = _current.get()
+        if traced is None:
+            return
+        traced.span.add_event("chatstream.reset", {"chatstream.job.attempt": attempt})
+        traced.span.set_attribute("chatstream.job.attempt", attempt)
+
+    def ending(self, terminal: Terminal) -> None:
+        traced = _current.get()
+        if traced is None:
+            return
+        traced.terminal = terminal
+        link = telemetry.traceparent()
+        if link is not None:
+            terminal.event_data["traceparent"] = link  # a consumer links its span to ours
+
+    # -- the end of the attempt ---------------------------------------------------------
+
+    def _finished(self, traced: _Traced, timing: JobTiming, outcome: Outcome) -> None:
+        span, terminal = traced.span, traced.terminal
+        _timing_attributes(span, timing)
+        if outcome.value != "finished" or terminal is None:
+            span.set_attribute("chatstream.job.status", outcome.value)  # stale | released
+            if outcome.value == "released":
+                span.add_event("chatstream.released")
+            return
+        status = terminal.fields["status"]
+        span.set_attributes(response_attributes(terminal))
+        if status == "cancelled":
+            span.add_event("chatstream.cancelled")
+        error = terminal.event_data.get("error") if status == "failed" else None
+        if isinstance(error, dict):
+            _mark_error(span, str(error.get("code", "error")), str(error.get("message", "")))
+        self._record(traced, terminal, timing, error)
+
+    def _record(self, traced: _Traced, terminal: Terminal, timing: JobTiming, error: Any) -> None:
+        """The GenAI client metrics of a finished attempt."""
+        attributes = {"gen_ai.operation.name": OPERATION, **traced.server.attributes()}
+        if traced.request_model is not None:
+            attributes["gen_ai.request.model"] = self._labels.model_label(traced.request_model)
+        if model := terminal.fields.get("model"):
+            attributes["gen_ai.response.model"] = self._labels.model_label(model)
+        usage = terminal.event_data.get("usage")
+        for kind, key in (("input", "prompt_tokens"), ("output", "completion_tokens")):
+            count = usage.get(key) if isinstance(usage, dict) else None
+            if isinstance(count, int) and _is_count(count):
+                self._tokens.record(count, {**attributes, "gen_ai.token.type": kind})
+        if isinstance(error, dict):
+            attributes["error.type"] = str(error.get("code", "error"))
+        if timing.first_read is not None:
+            self._first_chunk.record(timing.first_read - timing.started, attributes)
+        if terminal.fields["status"] != "cancelled":
+            self._duration.record(time.monotonic() - timing.started, attributes)
+
+
+def tracing_for_process(settings: Settings, metrics: Metrics) -> NoTracing:
+    """:class:`Tracing` when this process traces (``telemetry.tracing_on``), else the
+    hooks that do nothing."""
+    return Tracing(settings, metrics) if telemetry.tracing_on() else NoTracing()
+
+
+def _start_attributes(job: Attempt, started: Started, server: Server) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": OPERATION,
+        "gen_ai.system": server.provider,  # the name before v1.37, for older backends
+        **server.attributes(),
+        "chatstream.job.id": job.job_id,
+        "chatstream.job.attempt": job.attempt,
+        "chatstream.upstream": job.upstream,
+    }
+    if started.created_at is not None:
+        queued = max(time.time() - started.created_at, 0.0)
+        attributes["chatstream.job.queued_seconds"] = round(queued, 6)
+    return attributes
+
+
+def request_attributes(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's sampling parameters (numbers) and choice count, never its text."""
+    found: dict[str, Any] = {}
+    for name, attribute in REQUEST_ATTRIBUTES.items():
+        value = body.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found.setdefault(attribute, value)
+    choices = body.get("n")
+    if type(choices) is int and choices != 1:
+        found["gen_ai.request.choice.count"] = choices
+    return found
+
+
+def response_attributes(terminal: Terminal) -> dict[str, Any]:
+    """What the upstream answered: ids, model, finish reasons, token usage, the status."""
+    fields, data = terminal.fields, terminal.event_data
+    found: dict[str, Any] = {"chatstream.job.status": fields["status"]}
+    if fields.get("completion_id"):
+        found["gen_ai.response.id"] = fields["completion_id"]
+    if fields.get("model"):
+        found["gen_ai.response.model"] = fields["model"]
+    reasons = [data.get("finish_reason")]
+    reasons += [choice.get("finish_reason") for choice in data.get("choices") or ()]
+    if any(isinstance(reason, str) for reason in reasons):
+        found["gen_ai.response.finish_reasons"] = [r for r in reasons if isinstance(r, str)]
+    usage = data.get("usage")
+    if isinstance(usage, dict):
+        for key, attribute in (
+            ("prompt_tokens", "gen_ai.usage.input_tokens"),
+            ("completion_tokens", "gen_ai.usage.output_tokens"),
+        ):
+            if _is_count(usage.get(key)):
+                found[attribute] = usage[key]
+    return found
+
+
+def _timing_attributes(span: Span, timing: JobTiming) -> None:
+    """Time waiting for the upstream's first byte; the first token, as an event at its time."""
+    if timing.first_read is not None:
+        waited = round(timing.first_read - timing.started, 6)
+        span.set_attribute("chatstream.upstream.wait_seconds", waited)
+    if timing.first_delta is not None:
+        ago = time.monotonic() - timing.first_delta
+        span.add_event("chatstream.first_token", timestamp=time.time_ns() - int(ago * 1e9))
+
+
+def _mark_error(span: Span, code: str, message: str) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_attribute("error.type", code)
+    span.set_status(Status(StatusCode.ERROR, message[:MAX_STATUS_MESSAGE]))
+
+
+def _failed(span: Span, exc: BaseException) -> None:
+    """The attempt raised (a bug, or the task was cancelled at shutdown)."""
+    if isinstance(exc, asyncio.CancelledError):
+        span.set_attribute("chatstream.job.status", "interrupted")
+        return
+    span.record_exception(exc)
+    _mark_error(span, type(exc).__qualname__, f"{type(exc).__name__}: {exc}")
+
+
+def _code(exc: BaseException) -> str:
+    return exc.code if isinstance(exc, ChatstreamError) else type(exc).__qualname__
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("chatstream")
+    except PackageNotFoundError:
+        return "unknown"
