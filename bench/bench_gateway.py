@@ -19,8 +19,15 @@ and one client process. Per step of N:
   id's resolution. Only entries written after the first second of writing count (the
   steady state, every client connected).
 
-A step passes when every client got every entry and ``[DONE]``, and the p99 is <= 50 ms.
-N doubles from ``--start`` until a step fails, then is bisected twice. The peer
+The ``responses`` system is the same gateway serving the Responses API: each client
+opens ``GET /v1/responses/resp_<job>?stream=true`` instead, and the writer puts its own
+clock (ms) into each delta's text (one value per write, ~2 ms), which the client reads
+back from each ``response.output_text.delta`` event: the same added latency, measured from
+the write instead of the entry id (they differ by the XADD's own time, well under 1 ms).
+
+A step passes when every client got every entry and ``[DONE]`` (``response.completed``),
+and the p99 is <= 50 ms. N doubles from ``--start`` until a step fails, then is bisected
+twice. The peer
 (``bench/peer_gateway.py``: one blocking XREAD per client, as an SSE endpoint is usually
 written; same uvicorn, same chunk formatting) runs the same steps.
 
@@ -66,6 +73,7 @@ from bench_worker import (
 from pydantic import SecretStr
 
 from worker.gateway.auth import ApiKeys
+from worker.gateway.responses_request import translate
 
 BENCH = Path(__file__).resolve().parent
 CHATSTREAM = str(Path(sys.executable).with_name("chatstream"))
@@ -75,7 +83,9 @@ BOUND_MS = 50.0
 BUCKET_MS = 0.1
 WARMUP_S = 1.0
 ID_MS = re.compile(rb"id: (\d+)-")
+DELTA_MS = re.compile(rb'"delta":"(\d+) "')  # the responses system: the writer's clock
 DATA = b'{"content":"tok "}'
+RESPONSES = "responses"  # the gateway's Responses API, beside its chat format ("ours")
 
 
 @dataclass
@@ -117,9 +127,11 @@ class Step:
 class Reader(asyncio.Protocol):
     """One SSE client: records receipt time minus entry time for every event."""
 
-    def __init__(self, request: bytes, tally: Tally) -> None:
+    def __init__(self, request: bytes, tally: Tally, responses: bool = False) -> None:
         self.request = request
         self.tally = tally
+        self.times, self.end = (DELTA_MS, b"event: response.completed") if responses else (
+            ID_MS, b"data: [DONE]")  # fmt: skip
         self.buffer = b""
         self.headers = True
         self.done = asyncio.get_running_loop().create_future()
@@ -148,9 +160,9 @@ class Reader(asyncio.Protocol):
             self.buffer = buffer
             return
         complete, self.buffer = buffer[:cut], buffer[cut + 2 :]
-        for ms in ID_MS.findall(complete):
+        for ms in self.times.findall(complete):
             self.tally.add(int(ms), now_ms)
-        if b"data: [DONE]" in complete:
+        if self.end in complete:
             self.tally.finished += 1
             self.transport.close()
 
@@ -179,12 +191,14 @@ async def clients(spec: dict[str, Any]) -> None:
     tally = Tally()
     readers: list[Reader] = []
     ramp = spec["ramp"] / max(1, len(spec["jobs"]))
+    responses = spec.get("system") == RESPONSES
     for i, job_id in enumerate(spec["jobs"]):
+        path = f"/v1/responses/resp_{job_id}?stream=true" if responses else (
+            f"/v1/jobs/{job_id}/events")  # fmt: skip
         request = (
-            f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: bench\r\n"
-            f"Authorization: Bearer {spec['key']}\r\n\r\n"
+            f"GET {path} HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {spec['key']}\r\n\r\n"
         ).encode()
-        reader = Reader(request, tally)
+        reader = Reader(request, tally, responses)
         await loop.create_connection(lambda: reader, "127.0.0.1", spec["port"])  # noqa: B023
         readers.append(reader)
         await asyncio.sleep(max(0.0, spec["start"] + i * ramp - time.time()))
@@ -235,8 +249,13 @@ async def writer(spec: dict[str, Any]) -> None:
     start = time.time()
     sent = 0
     while sent < total:
-        due = min(total, int((time.time() - start) * per_second) + 1)
-        out.write(b"".join(prefixes[m % n] for m in range(sent, due)))
+        now = time.time()
+        due = min(total, int((now - start) * per_second) + 1)
+        if spec.get("timestamps"):  # one clock value per write, in each entry's text
+            data = b'{"content":"%d "}' % int(now * 1000)
+            out.write(b"".join(entry(keys[m % n], b"delta", data) for m in range(sent, due)))
+        else:
+            out.write(b"".join(prefixes[m % n] for m in range(sent, due)))
         sent = due
         await asyncio.sleep(0.002)
     end = time.time()
@@ -281,14 +300,18 @@ def gateway_proc(system: str, logs: Path, redis_url: str, port: int) -> Proc:
 
 
 def create_jobs(redis_url: str, n: int) -> list[str]:
+    """N running jobs of the bench's key, each also a response (the ``response`` field)."""
     owner = ApiKeys.from_setting(SecretStr(KEY)).keys[0].id
     meta = json.dumps({"owner": owner, "model": "bench", "created": int(time.time())})
+    echo = translate({"model": "bench", "input": "bench"}).echo
+    response = json.dumps({"request_sha256": "", "echo": echo})
     jobs = [f"job-{i}" for i in range(n)]
     client = sync_redis.Redis.from_url(redis_url)
     client.flushall()  # the bench's own server
+    fields = {"status": "running", "metadata": meta, "response": response}
     with client.pipeline(transaction=False) as pipe:
         for job_id in jobs:
-            pipe.hset(f"{PREFIX}:job:{{{job_id}}}", mapping={"status": "running", "metadata": meta})
+            pipe.hset(f"{PREFIX}:job:{{{job_id}}}", mapping=fields)  # type: ignore[arg-type]
         pipe.execute()
     client.close()
     return jobs
@@ -314,11 +337,13 @@ async def measure(system: str, n: int, plan: Plan, logs: Path, redis: tuple[str,
         await asyncio.to_thread(wait_port, port, gateway.popen)
         jobs = create_jobs(redis_url, -(-n // plan.per_job))
         step.before = await asyncio.to_thread(machine_load, 1.0)
-        readers = await open_clients([jobs[i % len(jobs)] for i in range(n)], port, plan, logs)
+        clients = [jobs[i % len(jobs)] for i in range(n)]
+        readers = await open_clients(clients, port, plan, logs, system)
         pids = {"gateway": gateway.pid, "redis": redis_pid}
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         busy_before = machine_busy()
-        step.redis_clients = await write_entries(jobs, redis_url, redis_port, plan, logs)
+        stamped = system == RESPONSES
+        step.redis_clients = await write_entries(jobs, redis_url, redis_port, plan, logs, stamped)
         cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
         busy, total = (b - a for b, a in zip(machine_busy(), busy_before, strict=True))
         await readers.wait()
@@ -329,20 +354,20 @@ async def measure(system: str, n: int, plan: Plan, logs: Path, redis: tuple[str,
         step.cpu["writer"] = 100 * wrote["cpu"] / seconds
         step.cpu["clients"] = 100 * got["cpu"] / seconds
         step.machine = 200 * busy / max(1, total)
-        summarize(step, got, wrote, n, len(jobs))
+        summarize(step, got, wrote, n, len(jobs), done_counts=not stamped)
     finally:
         gateway.stop()
     return step
 
 
 async def open_clients(
-    jobs: list[str], port: int, plan: Plan, logs: Path
+    jobs: list[str], port: int, plan: Plan, logs: Path, system: str
 ) -> asyncio.subprocess.Process:
     """The client process, once all its streams are open."""
     ramp = max(1.0, len(jobs) / 2000)
     deadline = time.time() + ramp + plan.duration + 30
     spec = {"jobs": jobs, "key": KEY, "port": port, "start": time.time(), "ramp": ramp,
-            "deadline": deadline, "out": str(logs / "clients.json")}  # fmt: skip
+            "deadline": deadline, "out": str(logs / "clients.json"), "system": system}  # fmt: skip
     readers = await run_child("clients", spec, logs)
     assert readers.stdout is not None
     async with asyncio.timeout(ramp + 60):
@@ -353,11 +378,12 @@ async def open_clients(
 
 
 async def write_entries(
-    jobs: list[str], redis_url: str, redis_port: int, plan: Plan, logs: Path
+    jobs: list[str], redis_url: str, redis_port: int, plan: Plan, logs: Path, stamped: bool
 ) -> int:
-    """Runs the writer; returns Redis's connected clients a second into the writing."""
+    """Runs the writer (``stamped``: its clock in each delta's text); returns Redis's
+    connected clients a second into the writing."""
     keys = [f"{PREFIX}:job:{{{job_id}}}:events" for job_id in jobs]
-    spec = {"keys": keys, "redis_port": redis_port, "rate": plan.rate,
+    spec = {"keys": keys, "redis_port": redis_port, "rate": plan.rate, "timestamps": stamped,
             "duration": plan.duration, "out": str(logs / "writer.json")}  # fmt: skip
     write = await run_child("writer", spec, logs)
     await asyncio.sleep(1.0)
@@ -376,7 +402,15 @@ def redis_clients(redis_url: str) -> int:
         client.close()
 
 
-def summarize(step: Step, got: dict[str, Any], wrote: dict[str, Any], n: int, streams: int) -> None:
+def summarize(
+    step: Step,
+    got: dict[str, Any],
+    wrote: dict[str, Any],
+    n: int,
+    streams: int,
+    *,
+    done_counts: bool = True,
+) -> None:
     first, last = int(wrote["start"] + WARMUP_S), int(wrote["end"]) - 1
     hist: Counter[int] = Counter()
     for second, buckets in got["slots"].items():
@@ -389,19 +423,20 @@ def summarize(step: Step, got: dict[str, Any], wrote: dict[str, Any], n: int, st
         step.problems.append(f"{got['failed']} refused")
     if got["finished"] != n:
         step.problems.append(f"{n - got['finished']} unfinished")
-    expected = expected_events(wrote["entries"], streams, n)
+    expected = expected_events(wrote["entries"], streams, n, done_counts=done_counts)
     if got["events"] != expected:
         step.problems.append(f"{expected - got['events']} events missing")
 
 
-def expected_events(entries: int, streams: int, clients: int) -> int:
-    """Every client gets its stream's entries and the done entry; entry m went to stream
-    m % streams and client i reads stream i % streams."""
+def expected_events(entries: int, streams: int, clients: int, *, done_counts: bool = True) -> int:
+    """Every client gets its stream's entries and (``done_counts``: an event with the done
+    entry's id) the done entry; entry m went to stream m % streams and client i reads stream
+    i % streams."""
     total = 0
     for stream in range(streams):
         stream_entries = entries // streams + (stream < entries % streams)
         readers = clients // streams + (stream < clients % streams)
-        total += readers * (stream_entries + 1)
+        total += readers * (stream_entries + done_counts)
     return total
 
 
@@ -424,14 +459,14 @@ def line(step: Step) -> str:
     cpu = " ".join(f"{step.cpu.get(k, 0):4.0f}%" for k in ("gateway", "redis", "writer", "clients"))
     verdict = "pass" if step.passed else "FAIL " + ", ".join(step.problems or ["p99 > 50 ms"])
     return (
-        f"{step.system:8} {step.n:6d} {step.p50:7.1f} {step.p99:7.1f} {step.worst:7.1f} "
+        f"{step.system:9} {step.n:6d} {step.p50:7.1f} {step.p99:7.1f} {step.worst:7.1f} "
         f"{step.events_per_s:8.0f}  {cpu} {step.machine:4.0f}% {step.before * 200:4.0f}%"
         f" {step.rss / 2**20:6.0f} {step.redis_clients:5d}  {verdict}"
     )
 
 
 HEADER = (
-    "system        N  p50 ms  p99 ms  max ms     ev/s  gateway redis writer clients"
+    "system         N  p50 ms  p99 ms  max ms     ev/s  gateway redis writer clients"
     "  all before RSS MiB conns"
 )
 
@@ -485,17 +520,19 @@ async def run(plan: Plan, systems: Sequence[str], logs: Path) -> None:
     print("\nclients served at p99 <= 50 ms added delivery latency (one process each):")
     for system, step in best.items():
         if step is None:
-            print(f"  {system:8} none")
+            print(f"  {system:9} none")
         else:
             cpu, rss = step.cpu.get("gateway", 0), step.rss / 2**20
-            print(f"  {system:8} {step.n:6d}  (p99 {step.p99:.1f} ms, gateway CPU {cpu:.0f}%, "
+            print(f"  {system:9} {step.n:6d}  (p99 {step.p99:.1f} ms, gateway CPU {cpu:.0f}%, "
                   f"RSS {rss:.0f} MiB)")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run")
-    parser.add_argument("--systems", default="ours,peer", help="ours, peer or both")
+    parser.add_argument(
+        "--systems", default=f"ours,{RESPONSES},peer", help=f"any of ours, {RESPONSES}, peer"
+    )
     parser.add_argument("--start", type=int, help="the first N")
     parser.add_argument("--rate", type=float, help="entries per second per stream")
     parser.add_argument("--duration", type=float, help="seconds of writing per step")

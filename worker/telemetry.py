@@ -30,7 +30,7 @@ from worker.errors import ConfigError
 log = logging.getLogger("chatstream.telemetry")
 
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.38.0"
-"""The semantic conventions version chatstream's spans and metrics follow (decision 55)."""
+"""The semantic conventions version chatstream's spans and metrics follow (decision 57)."""
 
 TRACE_FIELDS = ("traceparent", "tracestate", "baggage")
 """The W3C trace context stored with a job: record fields of the same names as the headers."""

@@ -1,18 +1,20 @@
 """The HTTP gateway (``chatstream gateway``): OpenAI-compatible in, resumable streams out.
 
-=================== ====================================================================
-``routes``          the endpoints and ``create_app()`` (Starlette)
-``app``             the gateway's state and logic: auth, job creation, replies
-``openai_format``   job events and records as OpenAI chunks and completions (pure)
-``hub``             one Redis reader per process fanning job streams out to clients
-``responses``       the SSE response: writes frames, watches the client, times out stalls
-``auth``            API keys (constant-time), key ids, events tokens
-``limits``          open streams per key and process, jobs per minute per key (Redis)
-``page``            the page at ``/`` (``static/``)
-``server``          serving it with uvicorn
-``tracing``         OpenTelemetry: a SERVER span per request, child of its traceparent
-``demo``            ``chatstream demo --gateway``
-=================== ====================================================================
+======================= ================================================================
+``app``                 the endpoints and ``create_app()`` (Starlette)
+``core``                the gateway's state and logic: auth, job creation, replies
+``openai_format``       job events and records as OpenAI chunks and completions (pure)
+``responses_request``   a Responses API request as a chat-completions job (pure)
+``responses_format``    job events as Responses API events and objects (pure)
+``responses_api``       the Responses endpoints' I/O: create, stream, retrieve, cancel
+``hub``                 one Redis reader per process fanning job streams out to clients
+``streaming``           the SSE response: writes frames, watches the client, times out stalls
+``auth``                API keys (constant-time), key ids, events tokens, tenants
+``limits``              open streams per key and process, jobs per minute per key (Redis)
+``page``                the page at ``/`` (``static/``)
+``server``              serving it with uvicorn
+``tracing``             OpenTelemetry: a SERVER span per request, child of its traceparent
+======================= ================================================================
 
 See docs/gateway.md.
 """

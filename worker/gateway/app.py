@@ -19,6 +19,7 @@ from schemas.jobs import JobRecord, JobStatus
 from schemas.requests import PRIORITY_RANK, Priority
 from worker import telemetry
 from worker.errors import JobNotFoundError
+from worker.gateway import responses_api
 from worker.gateway.core import (
     CANCEL_HEADER,
     IDEMPOTENCY_KEY,
@@ -215,6 +216,25 @@ async def cancel_job(request: Request) -> Response:
     return JSONResponse({"id": job_id, "status": str(state)})
 
 
+async def create_response(request: Request) -> Response | EventStream:
+    gateway = gateway_of(request)
+    key = gateway.authenticate(request)
+    body = await read_json(request, gateway.settings.gateway_max_body_bytes)
+    return await responses_api.create(gateway, request, key, body, idempotency_key(request))
+
+
+async def retrieve_response(request: Request) -> Response | EventStream:
+    gateway = gateway_of(request)
+    key = gateway.authenticate(request)
+    return await responses_api.retrieve(gateway, request, key, request.path_params["response_id"])
+
+
+async def cancel_response(request: Request) -> Response:
+    gateway = gateway_of(request)
+    key = gateway.authenticate(request)
+    return await responses_api.cancel(gateway, key, request.path_params["response_id"])
+
+
 async def healthz(request: Request) -> Response:
     """Redis reachable (else 503), with the process's open streams and followed jobs."""
     gateway = gateway_of(request)
@@ -274,6 +294,9 @@ API_ROUTES = [
     Route("/v1/jobs/{job_id}/events", job_events, methods=["GET"]),
     Route("/v1/jobs/{job_id}/cancel", cancel_job, methods=["POST"]),
     Route("/healthz", healthz, methods=["GET"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
 ]
 CORS_HEADERS = [
     "authorization",

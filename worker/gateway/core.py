@@ -171,7 +171,7 @@ class Gateway:
         status, metadata = reply
         if status is None:
             return None
-        meta = _json_object(metadata)
+        meta = fmt.json_object(metadata)
         return JobInfo(
             job_id=job_id,
             status=status,
@@ -282,11 +282,11 @@ class Gateway:
         )
         batches = feed.batches()
         first = await anext(batches)
-        if _failed_before_output(first):
+        if failed_before_output(first):
             await batches.aclose()
             slot.release()
             last = first[-1][1]
-            return _job_error_response(json.loads(last.get("data") or "{}"), last["type"], headers)
+            return job_error_response(json.loads(last.get("data") or "{}"), last["type"], headers)
         frames = openai_frames(ctx, batches, first=first)
         return self.event_stream(frames, info, headers, slot, cancel=cancel)
 
@@ -319,7 +319,18 @@ class Gateway:
         self, request: Request, info: JobInfo, ctx: fmt.ChunkContext, headers: dict[str, str]
     ) -> Response:
         """The ``chat.completion`` once the job ends (or the error it ended with)."""
-        finished = asyncio.create_task(self.wait_terminal(info.job_id))
+        if not await self.until_end(request, info.job_id):
+            return Response(status_code=499)  # nobody is listening
+        record = await self.client.get(info.job_id)
+        if record.status is JobStatus.SUCCEEDED:
+            return JSONResponse(fmt.completion(ctx, record), headers=headers)
+        kind = "cancelled" if record.status is JobStatus.CANCELLED else "error"
+        return job_error_response({"error": record.error}, kind, headers)
+
+    async def until_end(self, request: Request, job_id: str) -> bool:
+        """True once the job's stream has its terminal entry; False when the client went
+        away first (the job is then cancelled if the request asked for that)."""
+        finished = asyncio.create_task(self.wait_terminal(job_id))
         gone = asyncio.create_task(client_gone(request.receive))
         try:
             await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -327,14 +338,10 @@ class Gateway:
             await cancel_and_wait([finished, gone])
         if not finished.done() or finished.cancelled():
             if cancel_on_disconnect(request):
-                await self.cancel_quietly(info.job_id)
-            return Response(status_code=499)  # nobody is listening
+                await self.cancel_quietly(job_id)
+            return False
         finished.result()
-        record = await self.client.get(info.job_id)
-        if record.status is JobStatus.SUCCEEDED:
-            return JSONResponse(fmt.completion(ctx, record), headers=headers)
-        kind = "cancelled" if record.status is JobStatus.CANCELLED else "error"
-        return _job_error_response({"error": record.error}, kind, headers)
+        return True
 
     async def wait_terminal(self, job_id: str) -> None:
         """Returns once the job's stream has its terminal entry."""
@@ -405,14 +412,6 @@ async def native_frames(batches: AsyncGenerator[list[Row], None]) -> AsyncGenera
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _json_object(raw: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(raw or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
@@ -457,7 +456,7 @@ def cancel_on_disconnect(request: Request) -> bool:
     return request.headers.get(CANCEL_HEADER, "").lower() in TRUE
 
 
-def _failed_before_output(rows: list[Row]) -> bool:
+def failed_before_output(rows: list[Row]) -> bool:
     """The job ended with an error (or a cancel) before it sent any delta."""
     return (
         bool(rows)
@@ -466,7 +465,7 @@ def _failed_before_output(rows: list[Row]) -> bool:
     )
 
 
-def _job_error_response(data: dict[str, Any], kind: str, headers: dict[str, str]) -> Response:
+def job_error_response(data: dict[str, Any], kind: str, headers: dict[str, str]) -> Response:
     error = data.get("error") if kind == "error" else fmt.CANCELLED_ERROR
     error = error or {"code": "error", "message": "the job failed"}
     status, type_ = fmt.job_error_status(error)

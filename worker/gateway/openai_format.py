@@ -78,6 +78,15 @@ CHOICE_KEYS = frozenset({"choices", "index"})
 TERMINAL_EXTRAS: tuple[str, ...] = EXTRAS
 
 
+def json_object(raw: str | None) -> dict[str, Any]:
+    """A JSON object from Redis (an entry's ``data``, a record field); {} for anything else."""
+    try:
+        value = json.loads(raw or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def openai_delta(data: dict[str, Any]) -> dict[str, Any]:
     """One choice's fields of a delta entry as OpenAI's ``delta``."""
     delta: dict[str, Any] = {}

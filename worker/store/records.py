@@ -49,6 +49,8 @@ REQUEUE = lua.script("records/requeue")
 
 CANCEL = lua.script("records/cancel")
 
+SET_ONCE = lua.script("records/set_once")
+
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
@@ -89,6 +91,7 @@ class Records:
         self._rolled_back = redis.register_script(ROLLED_BACK)
         self._requeue = redis.register_script(REQUEUE)
         self._cancel = redis.register_script(CANCEL)
+        self._set_once = redis.register_script(SET_ONCE)
 
     def job_keys(self, job_id: str) -> list[str]:
         return [self.keys.job(job_id), self.keys.events(job_id)]
@@ -220,6 +223,12 @@ class Records:
             pipe.hget(self.keys.job(job_id), "cancel_requested")
         flags = await pipe.execute()
         return [flag is not None and as_text(flag) == "1" for flag in flags]
+
+    async def set_once(self, job_id: str, field: str, value: str) -> str | None:
+        """Set ``field`` of the record unless it has a value; the value it has afterwards
+        (``value`` or an earlier one), None when there is no record."""
+        result = await self._set_once(keys=[self.keys.job(job_id)], args=[field, value])
+        return None if result is None else as_text(result)
 
     async def fetch(self, job_id: str) -> dict[str, str]:
         raw: dict[Any, Any] = await self.redis.hgetall(self.keys.job(job_id))

@@ -47,17 +47,6 @@ async def gw(
         yield env
 
 
-@pytest.fixture
-async def idle(
-    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
-) -> AsyncIterator[GatewayEnv]:
-    """A gateway without any worker: jobs stay queued."""
-    async with running_gateway(
-        settings, redis, mock_upstream, worker=False, gateway_keepalive_seconds=0.2
-    ) as env:
-        yield env
-
-
 def streaming(request: dict[str, Any], usage: bool = True) -> dict[str, Any]:
     body: dict[str, Any] = {**request, "stream": True}
     if usage:

@@ -19,13 +19,11 @@ gateway as well.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from redis.asyncio import Redis
 
 from schemas.jobs import EXTRAS
 from tests.helpers.gateway_env import (
@@ -34,10 +32,7 @@ from tests.helpers.gateway_env import (
     GatewayEnv,
     delta,
     openai_chunk,
-    running_gateway,
 )
-from worker.settings import Settings
-from worker.testing.mock_upstream import MockUpstream
 
 MESSAGES: list[Any] = [{"role": "user", "content": "What is a durable token stream?"}]
 USAGE: Any = {"include_usage": True}
@@ -132,14 +127,6 @@ def outline(reply: Reply) -> dict[str, Any]:
         "finish_reason": [c["finish_reason"] for c in choices],
         "extras": reply["extras"],
     }
-
-
-@pytest.fixture
-async def gw(
-    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
-) -> AsyncIterator[GatewayEnv]:
-    async with running_gateway(settings, redis, mock_upstream) as env:
-        yield env
 
 
 Reply = dict[str, Any]
