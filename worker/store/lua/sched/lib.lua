@@ -93,6 +93,17 @@ local function tpm_wait(u, total, tokens, limit, now)
   return MINUTE
 end
 
+-- 0 while upstream u has requests left in the last minute's budget (or no such limit);
+-- else the ms until its oldest request of the minute expires.
+local function rpm_wait(lim, u, now)
+  if not lim.rpm then return 0 end
+  local key = S .. ':rpm:' .. u
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - MINUTE)
+  if redis.call('ZCARD', key) < lim.rpm then return 0 end
+  local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  return math.max(1, tonumber(oldest[2]) + MINUTE - now)
+end
+
 -- 0 when upstream u admits a call of `tokens` tokens now; else how long until a time-bound
 -- limit may admit it (ms), or -1 while all its permits are held (a settle frees one).
 local function blocked(c, u, tokens, now)
@@ -105,14 +116,8 @@ local function blocked(c, u, tokens, now)
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now - c.lease_ms)
     if redis.call('ZCARD', key) >= lim.conc then return -1 end
   end
-  if lim.rpm then
-    local key = S .. ':rpm:' .. u
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - MINUTE)
-    if redis.call('ZCARD', key) >= lim.rpm then
-      local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-      return math.max(1, tonumber(oldest[2]) + MINUTE - now)
-    end
-  end
+  local rpm = rpm_wait(lim, u, now)
+  if rpm > 0 then return rpm end
   if lim.tpm then
     local total = tpm_purge(u, now)
     if total > 0 and total + tokens > lim.tpm then

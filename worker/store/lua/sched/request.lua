@@ -7,13 +7,7 @@ if not lim then return 0 end
 local now = now_ms()
 local cool = redis.call('PTTL', S .. ':cool:' .. u)
 if cool > 0 then return cool end
-if lim.rpm then
-  local key = S .. ':rpm:' .. u
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - MINUTE)
-  if redis.call('ZCARD', key) >= lim.rpm then
-    local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-    return math.max(1, tonumber(oldest[2]) + MINUTE - now)
-  end
-end
+local wait = rpm_wait(lim, u, now)
+if wait > 0 then return wait end
 take_request(c, u, now)
 return 0
