@@ -1,8 +1,8 @@
 """The network between workers and Redis, and between a worker and its upstream, failing
-slowly rather than cleanly (issue 22): ``chatstream worker`` processes reach Redis through a TCP proxy
-the test partitions (tests/helpers/proxy.py: forwarding stopped, connections left open,
-then healed or reset), and an upstream drips an event byte by byte (docs/reliability.md,
-"Who may judge" and "Partitions"; docs/failures.md).
+slowly rather than cleanly (issue 22): ``chatstream worker`` processes reach Redis through
+a TCP proxy the test partitions (tests/helpers/proxy.py: forwarding stopped, connections
+left open, then healed or reset), and an upstream drips an event byte by byte
+(docs/reliability.md, "Who may judge" and "Partitions"; docs/failures.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from schemas.events import EventType
 from schemas.jobs import JobRecord
-from tests.helpers.checks import all_terminal, eventually, stream_entries
+from tests.helpers.checks import all_terminal, check_stream, eventually, stream_entries
 from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
 from tests.helpers.proxy import TcpProxy
@@ -53,6 +53,14 @@ async def behind_a_proxy(
 
 async def records(fleet: Fleet, ids: list[str]) -> list[JobRecord]:
     return [await fleet.client.get(job_id) for job_id in ids]
+
+
+async def all_running(fleet: Fleet, ids: list[str]) -> bool:
+    """Every job runs and has streamed some output."""
+    for job_id in ids:
+        if not await fleet.redis.xlen(fleet.keys.events(job_id)):
+            return False
+    return all(record.status == "running" for record in await records(fleet, ids))
 
 
 async def enqueue(fleet: Fleet, requests: list[dict[str, Any]]) -> list[str]:
@@ -97,13 +105,7 @@ async def test_after_a_partition_and_a_reset_no_live_workers_job_is_taken_over(
         await fleet.start(3)
         ids = await enqueue(fleet, requests)
 
-        async def all_streaming() -> bool:
-            for job_id in ids:
-                if not await redis.xlen(fleet.keys.events(job_id)):
-                    return False
-            return all(record.status == "running" for record in await records(fleet, ids))
-
-        await eventually(all_streaming, timeout=20, every=0.1)
+        await eventually(lambda: all_running(fleet, ids), timeout=20, every=0.1)
         connections = proxy.connections
         proxy.pause()
         await asyncio.sleep(PARTITION_SECONDS)
@@ -117,6 +119,45 @@ async def test_after_a_partition_and_a_reset_no_live_workers_job_is_taken_over(
     for job_id in ids:
         types = [event.type for event in await stream_entries(redis, fleet.keys, job_id)]
         assert EventType.RESET not in types, job_id
+
+
+async def test_a_worker_cut_off_alone_loses_its_jobs_and_takes_none(
+    fleet: Fleet, prefix: str
+) -> None:
+    """Only one of three workers reaches Redis through the proxy, and it is cut off for 6 s
+    (twice the heartbeat timeout), then its connections are reset. To the others it is
+    dead: they take its jobs over and rerun them after a reset, as after a crash. Back, it
+    learns it was declared dead and stops those jobs; it takes nothing over itself, and the
+    others' jobs run once."""
+    redis_port = int(fleet.env["CHATSTREAM_REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
+    requests = [
+        chat(f"a{i}", tokens=60, rate=5.0, key=f"{prefix}-a{i}") for i in range(RUNNING_JOBS)
+    ]
+    async with TcpProxy.serving("127.0.0.1", redis_port) as proxy:
+        alone = fleet.spawn(redis_url=f"redis://127.0.0.1:{proxy.port}/0")
+        await fleet.ready(alone)
+        await fleet.start(2)
+        ids = await enqueue(fleet, requests)
+        await eventually(lambda: all_running(fleet, ids), timeout=20, every=0.1)
+        on_alone = {r.id for r in await records(fleet, ids) if f"-{alone.pid}-" in (r.worker or "")}
+        proxy.pause()
+        await asyncio.sleep(PARTITION_SECONDS)
+        proxy.reset()
+        await eventually(lambda: all_terminal(fleet.redis, fleet.keys, ids), timeout=60, every=0.2)
+        output = await fleet.stop()
+    assert on_alone and len(on_alone) < RUNNING_JOBS  # it ran its share
+    alone_log = fleet.logs[0].read_text()
+    assert "this worker had been declared dead" in alone_log, alone_log
+    assert "took over" not in alone_log, alone_log
+    assert "took over" in output
+    for record, request in zip(await records(fleet, ids), requests, strict=True):
+        events = await stream_entries(fleet.redis, fleet.keys, record.id)
+        check_stream(events, record)  # exact, whichever attempt finished it
+        assert record.content == expected_reply(request, fleet.mock.config)
+        resets = [event.type for event in events].count(EventType.RESET)
+        assert (resets, record.attempt) == ((1, 2) if record.id in on_alone else (0, 1)), record.id
+        calls = fleet.mock.key_requests[request["mock"]["key"]]
+        assert calls == (2 if record.id in on_alone else 1), record.id
 
 
 # -- 3. jobs queued during a partition, then it heals --------------------------------------
