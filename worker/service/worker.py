@@ -265,8 +265,11 @@ class Worker:
         """After a queue read failed or timed out: our own entries no read of ours returned.
         Redis may still serve a read we gave up on (its command reaches Redis when a
         partition heals, or it was blocked there) and its reply is lost; such entries are
-        looked for at once when Redis answers again, and then at every read for as long as
-        such a read may wait there (twice the block time), instead of half a lease later."""
+        looked for at once when Redis answers again, and then before every read for as long
+        as such a read may wait there (twice the block time plus two seconds), instead of
+        half a lease later (``Upkeep.adopt_stranded``). Entries it runs are skipped, and so
+        are those delivered less than ``STRAY_MIN_IDLE_MS`` ago (just taken over by another
+        worker, say: XCLAIM's min-idle leaves them alone)."""
         if count <= 0 or not self._looking_for_strays():
             return []
         strays = await self.queue.stranded(STRAY_MIN_IDLE_MS, count, skip=self.running)
