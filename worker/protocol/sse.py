@@ -33,6 +33,11 @@ Design
   line. The check does not depend on how the bytes were split into reads.
 * The end of the stream needs no call: the spec never dispatches an event without its
   closing blank line, so an unfinished event is simply dropped with the decoder.
+* Progress. ``progress`` grows with every read that completes at least one block, an
+  event or a comment (a keep-alive); blank lines alone complete nothing. ``unfinished``
+  is the size of the event begun and not ended yet. The worker's idle timeout counts
+  progress, not bytes: an upstream that drips an event byte by byte does not keep it
+  alive (docs/decisions.md, 49).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ class SSEDecoder:
     """Feed raw response bytes, read by read, to :meth:`feed_data`."""
 
     __slots__ = ("_at_start", "_head", "_max", "_parts", "_parts_size", "_rest", "_skip_lf",
-                 "_special")  # fmt: skip
+                 "_special", "progress")  # fmt: skip
 
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         if max_event_bytes < 1:
@@ -71,6 +76,12 @@ class SSEDecoder:
         self._rest = b""
         self._parts: list[bytes] = []
         self._parts_size = 0
+        self.progress = 0  # reads that completed an event or a comment
+
+    @property
+    def unfinished(self) -> int:
+        """Bytes of the event begun and not ended yet (after line-end normalisation)."""
+        return self._parts_size if self._parts else len(self._rest)
 
     def feed_data(self, data: bytes) -> list[bytes]:
         """Decode one read; return the data of each event it completed (often none or
@@ -92,8 +103,9 @@ class SSEDecoder:
         limit = self._max
         if len(tail) > limit:
             self._check_rest()
-        if not block:
-            return []
+        if not block or (block[0] == _LF and not block.strip(b"\n")):
+            return []  # blank lines only
+        self.progress += 1
         if len(block) > limit:
             self._check_events(block)
         if block[:6] == b"data: " and _LF not in (field := block[6:]):  # one plain event

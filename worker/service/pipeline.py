@@ -47,6 +47,7 @@ from worker.store.publisher import JobStream, Publisher, Terminal
 from worker.store.records import Records, dumps
 from worker.upstream.client import UpstreamClient
 from worker.upstream.gate import IdleSlot, keep_slot
+from worker.upstream.idle import ProgressDeadline
 
 log = logging.getLogger("chatstream.pipeline")
 
@@ -170,17 +171,19 @@ async def stream_once(
     decoder = SSEDecoder(limit)
     publisher = services.publisher
     stream = services.upstream.stream(job.upstream, body, idle=job.idle, pacing=job.limits)
+    idle_timeout = services.settings.idle_timeout
     async with stream as chunks:
         job.opened = True
-        async for data in chunks:
-            fields = (
-                decoder.feed_data(data) if len(data) <= limit else _sliced(decoder, data, limit)
-            )
-            _fold_and_publish(fields, acc, publisher, job)
-            if acc.closed:
-                break
-            if job.stream.stale:
-                raise StaleAttemptError("a newer attempt owns the job, or its record is gone")
+        async with ProgressDeadline(job.upstream, idle_timeout, decoder):
+            async for data in chunks:
+                fields = (
+                    decoder.feed_data(data) if len(data) <= limit else _sliced(decoder, data, limit)
+                )
+                _fold_and_publish(fields, acc, publisher, job)
+                if acc.closed:
+                    break
+                if job.stream.stale:
+                    raise StaleAttemptError("a newer attempt owns the job, or its record is gone")
     if acc.truncated:  # (an unfinished event at the end is never dispatched: nothing to fold)
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
 

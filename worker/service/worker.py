@@ -18,6 +18,7 @@ import os
 import secrets
 import signal
 import socket
+import time
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
@@ -46,6 +47,7 @@ from worker.store.scheduler import config_fields
 from worker.upstream.client import UpstreamClient
 
 log = logging.getLogger("chatstream.worker")
+STRAY_MIN_IDLE_MS = 1000  # an entry of ours this long unread is a stray (not a read in flight)
 
 
 def _cancel_swallowed() -> bool:
@@ -110,6 +112,8 @@ class Worker:
         self.processed = 0
         self.stopping = asyncio.Event()
         self.cannot_consume: str | None = None  # why the last queue read failed (readyz)
+        self._read_failed = False  # since then, Redis may serve reads we gave up on
+        self._strays_until = 0.0  # monotonic: until then, look for our own unseen entries
         self._background: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -230,21 +234,60 @@ class Worker:
         self.cannot_consume = f"{type(exc).__name__}: {exc}"
 
     async def _read_once(self, count: int, block_ms: int) -> list[Entry]:
+        began = time.monotonic()
         entries = await self.upkeep.take_over(count)
         try:
-            if len(entries) < count:
-                fresh = await self.queue.read(count - len(entries), None if entries else block_ms)
-                self.metrics.delivered(entry.entry_id for entry in fresh)
-                entries += fresh
-            if len(entries) < count:
-                reclaimed = await self.queue.reclaim(count - len(entries), self._lease_ms)
-                self.metrics.reclaimed(len(reclaimed))
-                entries += reclaimed
+            entries += await self._strays(count - len(entries))
+            await self._read_into(entries, count, block_ms)
         except RedisError:
+            self._read_failed = True
             if not entries:
                 raise
             log.warning("reading the queue failed; running the %d entries taken", len(entries))
+        if time.monotonic() - began > (block_ms + STRAY_MIN_IDLE_MS) / 1000:
+            self._read_failed = True  # it hung, and redis-py may have retried it: a lost reply
         return entries
+
+    async def _read_into(self, entries: list[Entry], count: int, block_ms: int) -> None:
+        """New entries (waiting up to ``block_ms``), then those whose lease expired."""
+        if self._looking_for_strays():
+            block_ms = min(block_ms, STRAY_MIN_IDLE_MS)  # and look again soon
+        if len(entries) < count:
+            fresh = await self.queue.read(count - len(entries), None if entries else block_ms)
+            self.metrics.delivered(entry.entry_id for entry in fresh)
+            entries += fresh
+        if len(entries) < count:
+            reclaimed = await self.queue.reclaim(count - len(entries), self._lease_ms)
+            self.metrics.reclaimed(len(reclaimed))
+            entries += reclaimed
+
+    async def _strays(self, count: int) -> list[Entry]:
+        """After a queue read failed or timed out: our own entries no read of ours returned.
+        Redis may still serve a read we gave up on (its command reaches Redis when a
+        partition heals, or it was blocked there) and its reply is lost; such entries are
+        looked for at once when Redis answers again, and then before every read for as long
+        as such a read may wait there (twice the block time plus two seconds), instead of
+        half a lease later (``Upkeep.adopt_stranded``). Entries it runs are skipped, and so
+        are those delivered less than ``STRAY_MIN_IDLE_MS`` ago (just taken over by another
+        worker, say: XCLAIM's min-idle leaves them alone)."""
+        if count <= 0 or not self._looking_for_strays():
+            return []
+        strays = await self.queue.stranded(STRAY_MIN_IDLE_MS, count, skip=self.running)
+        if self._read_failed:
+            self._read_failed = False
+            window = (2 * self.settings.block_ms + 2 * STRAY_MIN_IDLE_MS) / 1000
+            self._strays_until = time.monotonic() + window
+        for entry in strays:
+            with logs.job_context(entry.job_id):
+                log.warning(
+                    "queue entry %s (job %s) was delivered to a read given up on; running it",
+                    entry.ref,
+                    entry.job_id,
+                )
+        return strays
+
+    def _looking_for_strays(self) -> bool:
+        return self._read_failed or time.monotonic() < self._strays_until
 
     @property
     def _lease_ms(self) -> int:

@@ -6,11 +6,14 @@ whose score is older than ``CHATSTREAM_HEARTBEAT_TIMEOUT``: they stopped (SIGKIL
 killer, a lost machine, or a process frozen that long). The runner then takes their queue
 entries over at once, instead of waiting for their leases to expire (docs/decisions.md).
 
-A worker judges others only after its own heartbeats have succeeded without a break for the
-timeout. After Redis was unreachable for everyone (a restart, a failover) every worker's last
-heartbeat is old; this gives the live ones time to beat again (they retry every second at
-most) before anyone is declared dead. A worker whose own score had been removed (declared
-dead after a stall) learns it from its next heartbeat (``fresh``).
+A worker judges others only after its own heartbeats have been on time for the whole
+timeout. A beat that failed is a break, and so is a beat that succeeded more than the timeout
+after the previous success: one that hung through a network partition until redis-py's retry
+got it through, or the first after the event loop stalled. After Redis was unreachable for
+everyone (a restart, a failover, a partition) every worker's last heartbeat is old; this gives
+the live ones time to beat again (they retry every second at most) before anyone is declared
+dead. A worker whose own score had been removed (declared dead after a stall) learns it from
+its next heartbeat (``fresh``).
 
 The heartbeat script is flagged ``allow-oom`` where the server knows script flags (Redis 7):
 at ``maxmemory`` a heartbeat still lands (it only updates a score), so a Redis refusing
@@ -58,6 +61,7 @@ class Liveness:
         self._beat = redis.register_script(ALLOW_OOM + BEAT)
         self._forget = redis.register_script(FORGET)
         self._beating_since: float | None = None  # monotonic; None after a failed beat
+        self._last_beat = 0.0  # monotonic, when the last successful beat returned
 
     async def load(self) -> None:
         """Use the ``allow-oom`` flag if the server runs flagged scripts (Redis 7; not Redis
@@ -77,8 +81,9 @@ class Liveness:
             self._beating_since = None
             raise
         now = time.monotonic()
-        if self._beating_since is None:
-            self._beating_since = now
+        if self._beating_since is None or now - self._last_beat > self.timeout:
+            self._beating_since = now  # a break: on time again from this beat on
+        self._last_beat = now
         judging = now - self._beating_since >= self.timeout
         dead = [as_text(name) for name in reply[1] if as_text(name) != self.name]
         return Beat(int(reply[0]) == 1, dead if judging else [])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,16 +330,22 @@ class Queue:
             ]
         return held
 
-    async def stranded(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
+    async def stranded(
+        self, min_idle_ms: int, count: int = 100, skip: Container[str] = ()
+    ) -> list[Entry]:
         """Entries this consumer holds that nobody renewed for ``min_idle_ms``: delivered by
-        a read whose reply was lost (Redis restarting), so the worker never saw them. They
-        are claimed again (which renews them) and returned with their fields."""
+        a read whose reply was lost (Redis restarting, a partition), so the worker never saw
+        them. They are claimed again (which renews them) and returned with their fields;
+        those whose ``ref`` is in ``skip`` (the ones it runs) are left alone."""
         found: list[Entry] = []
         for shard in self.shards:
-            found += await self._stranded(shard, min_idle_ms, count)
+            if len(found) < count:
+                found += await self._stranded(shard, min_idle_ms, count - len(found), skip)
         return found
 
-    async def _stranded(self, shard: int, min_idle_ms: int, count: int) -> list[Entry]:
+    async def _stranded(
+        self, shard: int, min_idle_ms: int, count: int, skip: Container[str]
+    ) -> list[Entry]:
         key = self.keys.queue_shard(shard)
         try:
             rows = await self.redis.xpending_range(
@@ -348,9 +355,11 @@ class Queue:
             if not _no_group(exc):
                 raise
             return []  # the next read recreates the group
-        if not rows:
-            return []
         ids: list[Any] = [as_text(row["message_id"]) for row in rows]
+        if skip:
+            ids = [eid for eid in ids if Entry(eid, None, {}, shard).ref not in skip]
+        if not ids:
+            return []
         claimed: Any = await self.redis.xclaim(key, GROUP, self.consumer, min_idle_ms, ids)
         return [_entry(eid, fields, shard) for eid, fields in claimed if fields is not None]
 

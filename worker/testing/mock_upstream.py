@@ -32,6 +32,8 @@ server defaults. ``max_tokens`` below ``tokens`` cuts the reply with ``finish_re
     malformed_json      one ``data:`` line of broken JSON, then the stream goes on
     oversized_event     one content chunk of ``oversized_mb`` MiB of "x", then goes on
     stall               a pause of ``stall_seconds``, then the stream goes on
+    drip                an event begun and never ended: one byte every ``drip_seconds``
+                        until the client goes away
     no_first_byte       a pause of ``stall_seconds`` before the response headers
     keepalive           ``: keep-alive`` comments (every ``keepalive_every`` chunks, or 1)
 
@@ -64,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -101,7 +104,15 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 MIDSTREAM_FAULTS = frozenset(
-    {"midstream_error", "truncate", "disconnect", "malformed_json", "oversized_event", "stall"}
+    {
+        "midstream_error",
+        "truncate",
+        "disconnect",
+        "malformed_json",
+        "oversized_event",
+        "stall",
+        "drip",
+    }
 )
 FAULTS = MIDSTREAM_FAULTS | {"json_200", "wrong_content_type", "no_first_byte", "keepalive"}
 _HTTP_FAULT = re.compile(r"http_([45]\d\d)")
@@ -127,6 +138,7 @@ class MockConfig:
     key: str = ""
     retry_after: float = 1.0
     stall_seconds: float = 5.0
+    drip_seconds: float = 0.5
     delay_first_byte: float = 0.0
     oversized_mb: float = 2.0
     timestamps: bool = False
@@ -158,6 +170,7 @@ REQUEST_OPTIONS: dict[str, str] = {
     "key": _STR,
     "retry_after": _FLOAT,
     "stall_seconds": _FLOAT,
+    "drip_seconds": _FLOAT,
     "delay_first_byte": _FLOAT,
     "oversized_mb": _FLOAT,
     "timestamps": _BOOL,
@@ -339,7 +352,14 @@ class _Abort:
     """Drop the connection here."""
 
 
-_Item = _Chunk | _Pause | _Abort
+class _Drip(NamedTuple):
+    """Send ``head``, then "x", one byte every ``seconds``, and never end the event."""
+
+    head: bytes
+    seconds: float
+
+
+_Item = _Chunk | _Pause | _Abort | _Drip
 _KEEPALIVE = _Chunk(b": keep-alive\n\n", 0)
 _DONE = _Chunk(b"data: [DONE]\n\n", 0)
 _MALFORMED = _Chunk(b'data: {"id":"chatcmpl-mock","choices":[{"index":0,"delta":{"content":\n\n', 0)
@@ -407,7 +427,9 @@ def _fault_items(ctx: _StreamContext) -> Generator[_Item, None, bool]:
         return False
     if fault == "disconnect":
         yield _Abort()
-    if fault in ("truncate", "disconnect"):
+    if fault == "drip":
+        yield _Drip(f'{ctx.head}"content":"'.encode(), ctx.options.drip_seconds)
+    if fault in ("truncate", "disconnect", "drip"):
         return False
     if fault == "stall":
         yield _Pause(ctx.options.stall_seconds)
@@ -818,10 +840,21 @@ class MockUpstream:
             await writer.flush()
             if isinstance(item, _Abort):
                 return True
+            if isinstance(item, _Drip):
+                await _drip(send, item)
             await asyncio.sleep(item.seconds)
             pacer.restart()
         await writer.close()
         return False
+
+
+async def _drip(send: Send, drip: _Drip) -> None:
+    """One byte of an event that never ends, every ``drip.seconds``; until cancelled (the
+    client went away)."""
+    for sent in itertools.count():
+        byte = drip.head[sent : sent + 1] or b"x"
+        await send({"type": "http.response.body", "body": byte, "more_body": True})
+        await asyncio.sleep(drip.seconds)
 
 
 # --------------------------------------------------------------------------- serving

@@ -5,5 +5,6 @@
                 mapping, the byte stream of the reply
 ``transport``   the httpx transport under it: httptools (llhttp) on asyncio protocols
 ``gate``        an upstream's health: while it is down, one probe at a time
+``idle``        the idle timeout mid-stream, counted in complete SSE blocks, not bytes
 =============== ======================================================================
 """

@@ -244,7 +244,8 @@ class UpstreamClient:
     async def _relay(self, name: str, opened: _Opened) -> AsyncGenerator[bytes, None]:
         """The body after the first byte, with the idle timeout and no retries."""
         yield opened.first
-        # httpx's read timeout (= idle_timeout) bounds each gap: no timer per chunk here
+        # httpx's read timeout (= idle_timeout) bounds each silence: no timer per chunk here;
+        # the caller's ProgressDeadline (idle.py) bounds the time between complete events
         url = opened.response.request.url
         with _translate_httpx_errors(
             name, url, streaming=True, deadline=self._settings.idle_timeout
@@ -291,8 +292,10 @@ def _timeouts(settings: Settings) -> httpx.Timeout:
 
     ``read`` is the idle timeout: it bounds every single socket read, mid-stream gaps and
     the wait for the response headers alike (httpcore applies it per read, at no extra
-    cost per chunk). ``_attempt`` also bounds send + headers + first byte as a whole by
-    ``first_byte_timeout``; the wait for headers is therefore the smaller of the two.
+    cost per chunk). Mid-stream, ``worker.upstream.idle`` bounds the time between complete
+    SSE events too, so that bytes dripping in do not restart it. ``_attempt`` also bounds
+    send + headers + first byte as a whole by ``first_byte_timeout``; the wait for headers
+    is therefore the smaller of the two.
     """
     return httpx.Timeout(
         connect=settings.connect_timeout,

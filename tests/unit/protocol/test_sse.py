@@ -448,3 +448,61 @@ def test_arbitrary_bytes_in_arbitrary_splits(
         assert split == expected[: len(split)]
     else:
         assert whole == split == expected
+
+
+# --- progress: what the idle timeout counts ------------------------------------------
+
+
+def complete_blocks(stream: bytes) -> int:
+    """Blocks (events or comments) ended by a blank line in ``stream``, by the reference's
+    reading of lines: blank lines alone are no block."""
+    if stream.startswith(BOM):
+        stream = stream[len(BOM) :]
+    *lines, _unterminated = re.split(rb"\r\n|\r|\n", stream)
+    blocks, open_block = 0, False
+    for line in lines:
+        if line:
+            open_block = True
+        elif open_block:
+            blocks, open_block = blocks + 1, False
+    return blocks
+
+
+PROGRESS_VECTORS = {
+    **{name: stream for name, (stream, _) in VECTORS.items()},
+    "keep-alive comments": b": keep-alive\n\n: ping\n\ndata: a\n\n",
+    "blank lines only": b"\n\n\n\n\r\n\r\n",
+    "an event of other fields": b"event: ping\nid: 3\n\n",
+}
+
+
+@pytest.mark.parametrize("stream", list(PROGRESS_VECTORS.values()), ids=list(PROGRESS_VECTORS))
+def test_progress_grows_with_exactly_the_reads_that_complete_a_block(stream: bytes) -> None:
+    for pieces in splits(stream):
+        decoder, seen = SSEDecoder(), b""
+        for piece in pieces:
+            before = decoder.progress
+            decoder.feed_data(piece)
+            completed = complete_blocks(seen + piece) > complete_blocks(seen)
+            seen += piece
+            assert (decoder.progress > before) == completed, (pieces, piece)
+
+
+def test_a_dripped_event_makes_no_progress_and_counts_its_bytes() -> None:
+    decoder = SSEDecoder()
+    decoder.feed_data(b"data: a\n\n")
+    assert (decoder.progress, decoder.unfinished) == (1, 0)
+    dripped = b'data: {"choices":[{"delta":{"content":"xxxxxxxxxxxx'
+    for i in range(len(dripped)):
+        assert decoder.feed_data(dripped[i : i + 1]) == []
+    assert (decoder.progress, decoder.unfinished) == (1, len(dripped))
+    assert decoder.feed_data(b"\n\n") == [dripped[6:]]
+    assert (decoder.progress, decoder.unfinished) == (2, 0)
+
+
+def test_blank_lines_between_events_are_no_progress() -> None:
+    decoder = SSEDecoder()
+    decoder.feed_data(b"data: a\n\n")
+    for _ in range(5):
+        decoder.feed_data(b"\n")
+    assert decoder.progress == 1

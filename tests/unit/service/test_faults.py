@@ -255,6 +255,40 @@ async def test_stall_beyond_idle_timeout_fails_and_keeps_partial_output(harness:
     assert harness.mock.key_requests[key] == 1
 
 
+@pytest.mark.parametrize("transport", ["httptools", "httpx"])
+async def test_an_upstream_dripping_an_event_fails_as_stalled_mid_event(
+    harness: Harness, transport: str
+) -> None:
+    """One byte every 20 ms of an event that never ends: each byte used to restart the read
+    timeout, so only the job timeout ended it. The idle timeout counts complete events."""
+    settings = {"idle_timeout": 0.3, "job_timeout": 20, "http_transport": transport}
+    async with custom_harness(harness, **settings) as h:
+        request, key = faulty("drip", drip_seconds=0.02, fault_after=3)
+        record, events = await run_with(h, request)
+    error = assert_failed(
+        record,
+        events,
+        "upstream_timeout",
+        "upstream 'default': stalled mid-event: sent ",
+        PARTIAL,
+    )
+    assert "bytes of an event but no complete SSE event or comment for 0.3s" in error["message"]
+    sent = int(error["message"].split("sent ")[1].split(" bytes")[0])
+    assert sent > len('data: {"id":')  # the head of the event, and then some
+    assert harness.mock.key_requests[key] == 1
+
+
+async def test_a_dripping_upstream_is_retried_like_an_idle_timeout(harness: Harness) -> None:
+    """With retry_after_output the stalled attempt is followed by a new one (a reset)."""
+    settings = {"idle_timeout": 0.3, "job_timeout": 20, "retry_after_output": True}
+    async with custom_harness(harness, **settings) as h:
+        request, key = faulty("drip", drip_seconds=0.02, fault_after=3, fail_times=1)
+        record, events = await run_with(h, request)
+    assert_succeeded(harness, record, request)
+    assert (record.attempt, harness.mock.key_requests[key]) == (2, 2)
+    assert [e.type for e in events].count(EventType.RESET) == 1
+
+
 async def test_disconnect_mid_stream_fails_and_keeps_partial_output(harness: Harness) -> None:
     request, key = faulty("disconnect", fault_after=3, fail_times=1)
     record, events = await run_with(harness, request)

@@ -29,6 +29,7 @@ from tests.helpers.checks import (
 from tests.helpers.harness import MOCK, Harness, chat, consuming
 from worker.client import Client
 from worker.protocol.accumulator import Delta
+from worker.service import worker as worker_module
 from worker.service.entries import HeldEntry
 from worker.service.worker import Worker
 from worker.settings import Settings
@@ -417,6 +418,47 @@ async def test_an_entry_whose_delivery_reply_was_lost_runs_within_half_a_lease(
         record = await client.result(job_id, timeout=10)
     took = time.monotonic() - delivered
     assert lease / 2 - 0.2 <= took < lease - 0.5
+    assert (record.status, record.attempt, record.worker) == ("succeeded", 1, worker.name)
+    assert mock.key_requests["lost"] == 1
+    assert await queue_is_drained(redis, keys)
+
+
+@pytest.mark.parametrize("given_up", ["failed", "hung"])
+async def test_an_entry_served_to_a_read_given_up_on_runs_at_once(
+    settings: Settings,
+    redis: Redis,
+    mock_upstream: tuple[MockUpstream, str],
+    monkeypatch: pytest.MonkeyPatch,
+    given_up: str,
+) -> None:
+    """A partition: Redis served a queue read the worker had given up on (it failed, or it
+    hung until redis-py's retry returned nothing), so the entry is the worker's, unseen.
+    The worker looks for such entries as soon as Redis answers, not half a lease later
+    (a lease of 60 s here: the half-lease sweep would come after the test's timeout)."""
+    monkeypatch.setattr(worker_module, "STRAY_MIN_IDLE_MS", 0)  # found on the first look
+    mock, url = mock_upstream
+    settings = settings.model_copy(update={"upstream_url": url, "lease_seconds": 60})
+    keys, client = Keys(settings.prefix), Client.from_settings(settings, redis)
+    worker = Worker(settings, redis)
+    await worker.queue.ensure_group()
+    job_id = await client.enqueue(chat("lost", key="lost"))
+    real_read, reads = worker.queue.read, 0
+
+    async def read_given_up_on(count: int, block_ms: int | None) -> list[Any]:
+        nonlocal reads
+        reads += 1
+        if reads > 1:
+            return await real_read(count, block_ms)
+        lost: Any = await redis.xreadgroup(GROUP, worker.name, {keys.queue: ">"}, count=1)
+        assert lost[0][1][0][1]["job"] == job_id  # delivered; the reply never came back
+        if given_up == "failed":
+            raise RedisConnectionError("the network is partitioned")
+        await asyncio.sleep(0.2)  # longer than the block time (50 ms) and then some
+        return []
+
+    monkeypatch.setattr(worker.queue, "read", read_given_up_on)
+    async with consuming(worker):
+        record = await client.result(job_id, timeout=10)
     assert (record.status, record.attempt, record.worker) == ("succeeded", 1, worker.name)
     assert mock.key_requests["lost"] == 1
     assert await queue_is_drained(redis, keys)

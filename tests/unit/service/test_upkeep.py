@@ -146,13 +146,17 @@ async def test_heartbeats_take_over_a_dead_workers_entries_up_to_capacity(
         await dead.add(f"job-{n}")
     assert len(await dead.read(3, None)) == 3
     await host.redis.zadd(host.keys.workers, {"dead": time.time() - 600})
-    host.liveness = Liveness(host.redis, host.keys, "w", timeout=0.05)
+    host.liveness = Liveness(host.redis, host.keys, "w", timeout=0.5)
     host.free = 2
     upkeep = Upkeep(host)
     await upkeep.beat()
     assert (upkeep.dead, host.launched) == ([], [])  # it judges after beating for the timeout
-    await asyncio.sleep(0.06)
-    await upkeep.beat()
+    began = time.monotonic()
+    while not host.launched:  # on time: a beat every 0.05 s
+        assert time.monotonic() - began < 5, "never judged"
+        await asyncio.sleep(0.05)
+        await upkeep.beat()
+    assert time.monotonic() - began >= 0.5
     assert len(host.launched) == 2
     assert upkeep.dead == ["dead"]  # it holds one more
     host.stopping.set()
