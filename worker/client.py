@@ -37,6 +37,7 @@ from worker.telemetry import context_fields
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
+LIVE_WINDOW = 60  # seconds: a worker that beat within it is counted live by queued_notice
 T = TypeVar("T")
 
 
@@ -386,6 +387,28 @@ class Client:
         if record.status is not JobStatus.RUNNING:
             return None
         return await read_progress(self.redis, self.keys, job_id, record.attempt, record.started_at)
+
+    async def queued_notice(self, job_id: str) -> str | None:
+        """One line about a job no worker has started yet (None once one has): what
+        ``enqueue --follow`` prints when its stream stays empty for a few seconds."""
+        record = await self.get(job_id)
+        if record.status is not JobStatus.QUEUED:
+            return None
+        ahead = await self.queue.scheduler.ahead_of(job_id, record.tenant, record.upstream)
+        seconds, _ = await self.redis.time()
+        live = int(await self.redis.zcount(self.keys.workers, int(seconds) - LIVE_WINDOW, "+inf"))
+        workers = (
+            f"{live} live workers"
+            if live
+            else f"no worker beat in {LIVE_WINDOW} s: start one with chatstream worker"
+        )
+        if ahead is None:
+            return f"queued: next in line, waiting for a free worker ({workers})"
+        return (
+            f"queued: {ahead} jobs ahead of it in tenant {record.tenant!r}'s queue for "
+            f"upstream {record.upstream!r}, waiting for a free worker or the upstream's "
+            f"limits ({workers})"
+        )
 
     async def aclose(self) -> None:
         await self.replication.aclose()

@@ -15,17 +15,21 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from schemas.events import EventType
 from schemas.jobs import JobRecord, JobStatus
 from worker import logs, speedups
+from worker.aio import cancel_and_wait
 from worker.cli.output import print_event, print_jobs, print_record
 from worker.client import Client, within
 from worker.errors import ChatstreamError
@@ -141,35 +145,98 @@ async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
             print(job_id, flush=True)
         if not (args.follow or args.wait):
             return 0
-        try:  # --follow and --wait alike
-            record = await within(follow_then_wait(client, job_id, args), args.timeout)
-        except TimeoutError:
-            if args.follow and not args.json:
-                print(flush=True)  # end the partial line of text
-            return fail(
-                f"timed out after {args.timeout:g}s; job {job_id} goes on "
-                f"(chatstream tail {job_id})"
-            )
-        print_record(record, as_json=args.json)
-        return 0 if record.status == "succeeded" else 3
+        return await follow_or_wait(client, Followed(job_id), args)
 
 
-async def follow_then_wait(client: Client, job_id: str, args: argparse.Namespace) -> JobRecord:
+@dataclass(slots=True)
+class Followed:
+    """A job being followed, and the last entry printed: where ``tail --after`` resumes."""
+
+    job_id: str
+    last_id: str = "0-0"
+    line_open: bool = False  # text was printed without its newline yet
+
+    def resume_hint(self) -> str:
+        after = f" --after {self.last_id}" if self.last_id != "0-0" else ""
+        return f"job {self.job_id} goes on (chatstream tail {self.job_id}{after})"
+
+    def end_line(self) -> None:
+        if self.line_open:
+            print(flush=True)
+            self.line_open = False
+
+
+async def follow_or_wait(client: Client, followed: Followed, args: argparse.Namespace) -> int:
+    """``--follow`` / ``--wait``: the record at the end (exit 0 or 3), or a hint to resume."""
+    try:
+        record = await within(follow_then_wait(client, followed, args), args.timeout)
+    except TimeoutError:
+        followed.end_line()
+        return fail(f"timed out after {args.timeout:g}s; {followed.resume_hint()}")
+    except asyncio.CancelledError:  # Ctrl-C: the job is not cancelled
+        interrupted(followed)
+        raise
+    print_record(record, as_json=args.json)
+    return 0 if record.status == "succeeded" else 3
+
+
+def interrupted(followed: Followed) -> None:
+    followed.end_line()
+    print(f"chatstream: interrupted; {followed.resume_hint()}", file=sys.stderr, flush=True)
+
+
+async def follow_then_wait(
+    client: Client, followed: Followed, args: argparse.Namespace
+) -> JobRecord:
     if args.follow:
-        await follow(client, job_id, as_json=args.json)
-    return await client.result(job_id)
+        await follow(client, followed, as_json=args.json)
+    return await client.result(followed.job_id)
 
 
-async def follow(client: Client, job_id: str, *, as_json: bool) -> None:
-    async for event in client.events(job_id):
-        print_event(event, as_json=as_json)
+async def follow(client: Client, followed: Followed, *, as_json: bool, after: str = "0-0") -> None:
+    """Print the job's events; a job still queued after ``QUEUED_HINT_AFTER`` seconds with
+    nothing in its stream gets one line saying so (stderr)."""
+    hint = asyncio.create_task(queued_hint(client, followed))
+    try:
+        async for event in client.events(followed.job_id, after=after):
+            followed.last_id = event.id
+            hint.cancel()
+            print_event(event, as_json=as_json)
+            followed.line_open = not as_json and event.type is EventType.DELTA
+    finally:
+        await cancel_and_wait([hint])
+
+
+QUEUED_HINT_AFTER = 3.0
+
+
+async def queued_hint(client: Client, followed: Followed) -> None:
+    await asyncio.sleep(QUEUED_HINT_AFTER)
+    line = await client.queued_notice(followed.job_id)
+    if line is not None and followed.last_id == "0-0":
+        print(line, file=sys.stderr, flush=True)
 
 
 async def tail_command(settings: Settings, args: argparse.Namespace) -> int:
+    check_entry_id(args.after)
+    followed = Followed(args.job, args.after)
     async with connected(settings) as client:
-        async for event in client.events(args.job, after=args.after):
-            print_event(event, as_json=args.json)
+        try:
+            await follow(client, followed, as_json=args.json, after=args.after)
+        except asyncio.CancelledError:
+            interrupted(followed)
+            raise
+    followed.end_line()
     return 0
+
+
+def check_entry_id(text: str) -> None:
+    """An entry id as Redis writes them: ``1718000000000-0`` (or ``1718000000000``)."""
+    if not re.fullmatch(r"\d{1,20}(-\d{1,20})?", text):
+        raise ChatstreamError(
+            f"--after {text!r} is not an entry id; entry ids look like 1718000000000-0 "
+            "(milliseconds-sequence, as tail --json prints them; 0-0: from the start)"
+        )
 
 
 async def status_command(settings: Settings, args: argparse.Namespace) -> int:

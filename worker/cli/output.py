@@ -7,7 +7,9 @@ without importing each other.
 from __future__ import annotations
 
 import json
+import sys
 from datetime import UTC, datetime
+from typing import Any
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
@@ -27,8 +29,28 @@ def print_event(event: StreamEvent, *, as_json: bool) -> None:
         print(event.data.get("content", ""), end="", flush=True)
     elif event.type is EventType.RESET:
         print(f"\n[reset: attempt {event.attempt} starts over]", flush=True)
+    elif event.type is EventType.WAITING:
+        print(describe_waiting(event.data), file=sys.stderr, flush=True)
     else:
         print(f"\n[{event.type.value}]", flush=True)
+
+
+def describe_waiting(data: dict[str, Any]) -> str:
+    """``waiting: upstream 'default' down for 12 s (...), next try in 4.0 s``: one line."""
+    upstream, waited = data.get("upstream", "?"), _seconds(data.get("for_s"))
+    if data.get("reason") == "upstream_down":
+        text = f"waiting: upstream {upstream!r} down for {waited}"
+    else:
+        text = f"waiting: upstream {upstream!r} rate-limited for {waited}"
+    if data.get("detail"):
+        text += f" ({data['detail']})"
+    if data.get("retry_in_s") is not None:
+        text += f", next try in {_seconds(data['retry_in_s'])}"
+    return text
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:g} s" if isinstance(value, int | float) else "? s"
 
 
 def print_record(record: JobRecord, *, as_json: bool, progress: Progress | None = None) -> None:

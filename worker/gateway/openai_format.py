@@ -20,6 +20,8 @@ finish chunk twice, never a token twice) rather than losing its usage chunk and
             ``TERMINAL_EXTRAS``) and ``finish_reason: "error"`` for every choice; no
             ``[DONE]``
 ``cancelled`` the same error chunk with the code ``cancelled``
+``waiting`` an SSE comment line ``: waiting {...}`` (the entry's data; no event, no id):
+            SDKs skip it, a raw reader shows it; any other type is skipped the same way
 =========== =============================================================================
 
 One entry is one chunk however many choices it carries (OpenAI's ``choices`` may hold
@@ -180,6 +182,9 @@ def sse_frames(ctx: ChunkContext, rows: Iterable[Row]) -> bytes:
     out: list[bytes] = []
     for entry_id, fields in rows:
         kind = fields.get("type", "")
+        if kind not in OUTPUT_TYPES:  # progress (waiting): a comment, invisible to SDKs
+            out.append(progress_comment(kind, fields.get("data") or "{}"))
+            continue
         payloads = entry_payloads(ctx, kind, json.loads(fields.get("data") or "{}"))
         frames = [b"data: " + _dumps(payload).encode() + b"\n\n" for payload in payloads]
         if kind == "done":
@@ -189,6 +194,15 @@ def sse_frames(ctx: ChunkContext, rows: Iterable[Row]) -> bytes:
         out.extend(frames[:-1])
         out.append(b"id: " + entry_id.encode() + b"\n" + (frames[-1] if frames else b"\n"))
     return b"".join(out)
+
+
+OUTPUT_TYPES = frozenset({"delta", "reset", "done", "error", "cancelled"})
+
+
+def progress_comment(kind: str, data: str) -> bytes:
+    """``: waiting {...}`` with no blank line after it: a comment line joins the next event
+    (an SDK that keeps the last ``id`` would read an empty event after a blank line)."""
+    return b": " + kind.encode()[:40] + b" " + data.replace("\n", " ").encode() + b"\n"
 
 
 def native_frames(rows: Iterable[Row]) -> bytes:

@@ -210,6 +210,13 @@ class Scheduler:
         names = sorted(as_text(k)[2:] for k in raw if as_text(k).startswith("s:"))
         return names or None
 
+    async def ahead_of(self, job_id: str, tenant: str, upstream: str) -> int | None:
+        """How many jobs wait before this one in its tenant's queue for its upstream (None:
+        it is not there: in the stream for the next free worker, or started)."""
+        prefix = self.keys.sched(self.keys.shard_of(job_id))
+        rank: Any = await self.redis.zrank(f"{prefix}:q:{tenant}:{upstream}", job_id)
+        return None if rank is None else int(rank)
+
     async def counts(self) -> ShardCounts:
         """Waiting jobs per tenant and upstream and permits in use, summed over shards."""
         total = ShardCounts()

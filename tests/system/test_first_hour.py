@@ -1,0 +1,111 @@
+"""A newcomer's first hour (issue 26): each finding, run as a user runs it: the
+``chatstream`` command or the README's snippet as a subprocess, on the test's real
+redis-server, with workers in their own processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from tests.helpers.checks import stream_entries
+from tests.helpers.fleet import Fleet
+from tests.helpers.harness import chat
+from tests.helpers.servers import free_port
+from tests.system.test_cli import DEADLINE, Cli, read_until
+
+pytestmark = pytest.mark.xdist_group("first-hour")
+
+
+@pytest.fixture
+async def cli(fleet: Fleet, redis: Redis, prefix: str, tmp_path: Path) -> Cli:
+    fleet.configure(block_ms=200, shutdown_grace_seconds=5)
+    return Cli(fleet, tmp_path, prefix, redis, fleet.mock)
+
+
+# -- 1. a job that waits says so where its readers look -------------------------------------
+
+
+async def test_follow_says_the_job_waits_for_a_down_upstream(cli: Cli) -> None:
+    """A worker whose upstream refuses connections: ``--follow`` prints one waiting line
+    naming the upstream and why, the stream has a few ``waiting`` entries (not one per
+    retry), and the job ends with the timeout's error naming the outage."""
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    [process] = await cli.fleet.start(upstream_url=dead, job_timeout=6)
+    result = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "waits", "--follow",
+        "--timeout", "3", timeout=DEADLINE,
+    )  # fmt: skip
+    assert result.returncode == 1, result
+    assert result.stdout == "waits\n"
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("waiting: upstream 'default' down for "), lines
+    assert "connection refused" in lines[0], lines
+    assert lines[-1] == (
+        "chatstream: error: timed out after 3s; job waits goes on (chatstream tail waits "
+        f"--after {(await stream_entries(cli.redis, cli.keys, 'waits'))[0].id})"
+    )
+    record = await cli.client.result("waits", timeout=20)
+    entries = await stream_entries(cli.redis, cli.keys, "waits")
+    kinds = [event.type.value for event in entries]
+    assert kinds[-1] == "error" and set(kinds[:-1]) == {"waiting"}, kinds
+    assert len(kinds) - 1 <= 3  # 6 s of waiting: said at once, then after 5 s at most
+    data = entries[0].data
+    assert data["reason"] == "upstream_down" and data["upstream"] == "default"
+    assert record.error is not None and "waiting for upstream 'default'" in str(record.error)
+    log = await cli.fleet.stop([process])
+    assert log.count("still down after") > len(kinds)  # many tries, few entries
+
+
+async def test_follow_says_a_job_no_worker_took_is_queued(cli: Cli) -> None:
+    """No worker: the first job is next in line, the fourth has two ahead of it."""
+    first = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "first", "--follow",
+        "--timeout", "5", timeout=DEADLINE,
+    )  # fmt: skip
+    for job_id in ("second", "third"):
+        await cli.client.enqueue(chat("x"), job_id=job_id)
+    fourth = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "fourth", "--follow",
+        "--timeout", "5", timeout=DEADLINE,
+    )  # fmt: skip
+    no_worker = "(no worker beat in 60 s: start one with chatstream worker)"
+    lines = first.stderr.splitlines()
+    assert lines[0] == f"queued: next in line, waiting for a free worker {no_worker}", lines
+    assert len(lines) == 2 and lines[1].endswith("(chatstream tail first)")
+    lines = fourth.stderr.splitlines()
+    assert lines[0] == (
+        "queued: 2 jobs ahead of it in tenant 'default''s queue for upstream 'default', "
+        f"waiting for a free worker or the upstream's limits {no_worker}"
+    ), lines
+
+
+# -- 5. Ctrl-C during --follow ----------------------------------------------------------------
+
+
+async def test_ctrl_c_during_follow_says_the_job_goes_on(cli: Cli) -> None:
+    await cli.fleet.start()
+    process = await cli.start(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "interrupted", "--follow",
+        "--mock", '{"tokens": 2000, "rate": 20}',
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    await read_until(process.stdout, b"tok1")
+    process.send_signal(signal.SIGINT)
+    async with asyncio.timeout(DEADLINE):
+        out, err = await process.communicate()
+    assert process.returncode == 130
+    assert out.endswith(b"\n")  # the partial line of tokens is ended
+    entries = await stream_entries(cli.redis, cli.keys, "interrupted")
+    [line] = err.decode().splitlines()
+    prefix = (
+        "chatstream: interrupted; job interrupted goes on (chatstream tail interrupted --after "
+    )
+    assert line.startswith(prefix), line
+    last = line.removeprefix(prefix).rstrip(")")
+    assert last in {event.id for event in entries}
+    assert (await cli.client.get("interrupted")).status == "running"  # not cancelled
+    await cli.client.cancel("interrupted")

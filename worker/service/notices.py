@@ -1,0 +1,118 @@
+"""Telling a job's readers that it waits: ``waiting`` entries in its events stream.
+
+An attempt waits without its slot (``Attempt.idle``) while its upstream is down (the gate
+lets one probe at a time try it) or while the upstream's requests per minute are used up
+(fleet limits). :class:`WaitingNotices` wraps that ``idle`` and writes a ``waiting`` entry
+when the wait begins, then again only when its reason changes or after a pause that grows
+from ``FIRST_PAUSE`` to ``MAX_PAUSE`` seconds, and at most ``MAX_NOTICES`` per attempt: a
+retry tick every few milliseconds writes nothing more. The write is fenced like every other
+write of the attempt (``records/notice.lua``); a Redis that refuses it costs the notice
+only, never the job. See docs/events.md and docs/decisions.md, 59.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from schemas.events import EventType
+from worker.store.records import Records, dumps
+from worker.upstream.gate import IdleSlot, UpstreamGate, monotonic
+
+log = logging.getLogger("chatstream.pipeline")
+
+FIRST_PAUSE = 5.0  # seconds before the same reason is said again, doubling each time
+MAX_PAUSE = 60.0
+MAX_NOTICES = 30  # per attempt
+
+
+@dataclass(slots=True)
+class _Said:
+    """What was said last in the current attempt."""
+
+    attempt: int = 0
+    reason: str = ""
+    at: float = 0.0  # monotonic
+    count: int = 0
+    since: float = 0.0  # monotonic start of the wait of this reason
+
+
+class WaitingNotices:
+    """The ``waiting`` entries of one job (its current attempt: ``attempt()``)."""
+
+    def __init__(
+        self,
+        records: Records,
+        gates: Mapping[str, UpstreamGate],
+        job_id: str,
+        upstream: str,
+        attempt: Callable[[], int],
+    ) -> None:
+        self.records = records
+        self.gates = gates
+        self.job_id = job_id
+        self.upstream = upstream
+        self.attempt = attempt
+        self._said = _Said()
+
+    def around(self, idle: IdleSlot) -> IdleSlot:
+        """``idle`` that announces the wait once the slot is given back."""
+
+        @asynccontextmanager
+        async def announced() -> AsyncIterator[None]:
+            async with idle():
+                await self.announce()
+                yield
+
+        return announced
+
+    async def announce(self) -> None:
+        data = self.describe()
+        if data is None:
+            return
+        try:
+            await self.records.notice(
+                self.job_id, self.attempt(), EventType.WAITING.value, dumps(data)
+            )
+        except RedisError as exc:  # the notice is lost, the job is not
+            log.info("job %s: waiting entry not written (%s)", self.job_id, exc)
+
+    def describe(self) -> dict[str, Any] | None:
+        """The entry to write now, or None when it is not due."""
+        gate = self.gates.get(self.upstream)
+        down = gate is not None and gate.down
+        reason = "upstream_down" if down else "rate_limit"
+        now = monotonic()
+        if not self._due(reason, now):
+            return None
+        since = gate.down_since if down and gate is not None else self._said.since
+        waited = max(now - (since or now), 0.0)
+        data: dict[str, Any] = {
+            "reason": reason,
+            "upstream": self.upstream,
+            "since_ms": int((time.time() - waited) * 1000),
+            "for_s": round(waited, 1),
+        }
+        if down and gate is not None:
+            data["retry_in_s"] = round(gate.next_try_in(), 1)
+            data["detail"] = gate.last_error
+        else:
+            data["detail"] = f"upstream {self.upstream!r}: its requests per minute are used up"
+        return data
+
+    def _due(self, reason: str, now: float) -> bool:
+        said, attempt = self._said, self.attempt()
+        if said.attempt != attempt or said.reason != reason:
+            self._said = _Said(attempt, reason, now, 1, now)
+            return True
+        pause = min(FIRST_PAUSE * 2 ** (said.count - 1), MAX_PAUSE)
+        if said.count >= MAX_NOTICES or now - said.at < pause:
+            return False
+        said.at, said.count = now, said.count + 1
+        return True
