@@ -3,7 +3,8 @@
 An attempt waits without its slot (``Attempt.idle``) while its upstream is down (the gate
 lets one probe at a time try it) or while the upstream's requests per minute are used up
 (fleet limits). :class:`WaitingNotices` wraps that ``idle`` and writes a ``waiting`` entry
-when the wait begins, then again only when its reason changes or after a pause that grows
+when the wait begins (an outage under ``NOTICE_AFTER`` seconds is a blip, not said),
+then again only when its reason changes or after a pause that grows
 from ``FIRST_PAUSE`` to ``MAX_PAUSE`` seconds, and at most ``MAX_NOTICES`` per attempt: a
 retry tick every few milliseconds writes nothing more. The write is fenced like every other
 write of the attempt (``records/notice.lua``); a Redis that refuses it costs the notice
@@ -30,6 +31,7 @@ log = logging.getLogger("chatstream.pipeline")
 FIRST_PAUSE = 5.0  # seconds before the same reason is said again, doubling each time
 MAX_PAUSE = 60.0
 MAX_NOTICES = 30  # per attempt
+NOTICE_AFTER = 1.0  # seconds: an outage shorter than this (down so far + next try) is not said
 
 
 @dataclass(slots=True)
@@ -89,6 +91,8 @@ class WaitingNotices:
         down = gate is not None and gate.down
         reason = "upstream_down" if down else "rate_limit"
         now = monotonic()
+        if down and gate is not None and _brief(gate, now):
+            return None
         if not self._due(reason, now):
             return None
         since = gate.down_since if down and gate is not None else self._said.since
@@ -116,3 +120,10 @@ class WaitingNotices:
             return False
         said.at, said.count = now, said.count + 1
         return True
+
+
+def _brief(gate: UpstreamGate, now: float) -> bool:
+    """The outage so far plus the pause before the next try is under ``NOTICE_AFTER``: a
+    blip (a 503 retried at once) is not worth an entry."""
+    down_for = now - (gate.down_since if gate.down_since is not None else now)
+    return down_for + gate.next_try_in() < NOTICE_AFTER
