@@ -82,6 +82,21 @@ class Client:
         )
 
     @classmethod
+    def from_url(cls, url: str, *, prefix: str | None = None) -> Client:
+        """A client on a connection of its own to ``url`` (any ``CHATSTREAM_REDIS_URL`` form),
+        the other settings from the environment; close it (``async with``, or ``aclose``)."""
+        updates: dict[str, Any] = {"redis_url": url}
+        if prefix is not None:
+            updates["prefix"] = prefix
+        return cls.from_settings(Settings(**updates))
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @classmethod
     async def connect(cls, settings: Settings) -> Client:
         """A client on :func:`worker.store.redis_client.connect` (a plain URL of a Cluster node
         becomes a cluster client)."""

@@ -5,7 +5,9 @@ redis-server, with workers in their own processes."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,38 @@ async def test_ctrl_c_during_follow_says_the_job_goes_on(cli: Cli) -> None:
     assert last in {event.id for event in entries}
     assert (await cli.client.get("interrupted")).status == "running"  # not cancelled
     await cli.client.cancel("interrupted")
+
+
+# -- 2. the README's Python snippet runs as written ------------------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_python() -> str:
+    text = README.read_text(encoding="utf-8")
+    blocks = [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)]
+    assert len(blocks) == 1, "the README has one Python snippet; test the others too"
+    return blocks[0]
+
+
+async def test_the_readme_python_snippet_runs_and_closes_its_connection(cli: Cli) -> None:
+    """As a script, under ``python -X dev`` with ResourceWarning an error: it prints the
+    reply and the final status, and writes nothing to stderr (no unclosed connection)."""
+    await cli.fleet.start()
+    source = readme_python()
+    assert "redis://localhost:6379/0" in source
+    script = cli.cwd / "readme_snippet.py"
+    script.write_text(source.replace("redis://localhost:6379/0", cli.env["CHATSTREAM_REDIS_URL"]))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-X", "dev", "-W", "error::ResourceWarning", str(script),
+        env=cli.env, cwd=cli.cwd,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    assert err == b"", err.decode()
+    [job] = (await cli.client.jobs()).jobs
+    record = await cli.client.get(job.id)
+    assert out.decode() == f"{record.content}\nsucceeded {record.usage}\n"
+    assert record.content  # the mock's reply to "Hello"
