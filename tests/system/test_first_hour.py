@@ -17,7 +17,8 @@ from tests.helpers.checks import stream_entries
 from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
 from tests.helpers.servers import free_port
-from tests.system.test_cli import DEADLINE, Cli, read_until
+from tests.system.test_cli import DEADLINE, Cli, read_until, run_chatstream
+from worker.cli.demo import DEMO_REPLY
 
 pytestmark = pytest.mark.xdist_group("first-hour")
 
@@ -146,3 +147,25 @@ async def test_the_readme_python_snippet_runs_and_closes_its_connection(cli: Cli
     record = await cli.client.get(job.id)
     assert out.decode() == f"{record.content}\nsucceeded {record.usage}\n"
     assert record.content  # the mock's reply to "Hello"
+
+
+# -- 3. the demo on a shared Redis keeps to itself --------------------------------------------
+
+
+async def test_demo_on_a_shared_redis_uses_a_prefix_of_its_own(cli: Cli) -> None:
+    """A production worker on the same Redis and prefix: the demo's own worker and mock
+    upstream run its job (the production upstream gets no request), it says which prefix
+    it used, and leaves no key behind."""
+    await cli.fleet.start()
+    before = sum(cli.mock.requests.values())
+    env = {k: v for k, v in cli.env.items() if k != "CHATSTREAM_UPSTREAM_URL"}
+    result = await run_chatstream(("demo", "--rate", "0"), env, cli.cwd, cli.cores, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"\n{DEMO_REPLY}\n[done]\n" in result.stdout
+    [line] = [line for line in result.stderr.splitlines() if "prefix of its own" in line]
+    own = re.search(r"prefix of its own, '([^']+)'", line)
+    assert own is not None and own.group(1).startswith(f"{cli.prefix}-demo-"), line
+    assert f"workers on {cli.prefix!r} never see its job" in line
+    assert sum(cli.mock.requests.values()) == before  # production's upstream was not called
+    assert [key async for key in cli.redis.scan_iter(match=f"{own.group(1)}:*")] == []
+    assert (await cli.client.jobs()).jobs == []  # nothing under the production prefix
