@@ -124,6 +124,7 @@ class Client:
         record and queue entry, else raises NotReplicatedError: the job is queued on the
         master all the same, and enqueueing it again with the same ``job_id`` waits again.
         """
+        await self._check_upstream(upstream)
         spec = self._spec(
             request, job_id or new_job_id(), upstream, metadata or {}, tenant, priority
         )
@@ -194,6 +195,7 @@ class Client:
         (InvalidJobError names the first bad one by its index). When the tenant's queue
         fills up, QueueFullError says so, its ``queued`` listing the ids that were queued
         (they stay queued); the refused jobs leave nothing behind."""
+        await self._check_upstream(upstream)
         specs = [
             self._spec_at(index, request, upstream, metadata or {}, tenant, priority)
             for index, request in enumerate(requests)
@@ -250,8 +252,6 @@ class Client:
         tenant: str = "default",
         priority: Priority = "normal",
     ) -> JobSpec:
-        if self.upstreams is not None and upstream not in self.upstreams:
-            raise InvalidJobError(f"unknown upstream {upstream!r}; configured: {self.upstreams}")
         try:
             return JobSpec.model_validate(
                 {
@@ -268,6 +268,19 @@ class Client:
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise InvalidJobError(f"invalid job: {problems}") from None
+
+    async def _check_upstream(self, upstream: str) -> None:
+        """A name this client's settings know, or one the workers publish that they serve
+        (``Scheduler.served``): a producer need not copy the workers' upstream URLs."""
+        if self.upstreams is None or upstream in self.upstreams:
+            return
+        served = await self.queue.scheduler.served()
+        if served is not None and upstream in served:
+            return
+        raise InvalidJobError(
+            f"unknown upstream {upstream!r}; configured here: {self.upstreams}; served by "
+            f"the workers on prefix {self.keys.prefix!r}: {served or 'none published yet'}"
+        )
 
     async def get(self, job_id: str) -> JobRecord:
         """The job's record; InvalidJobError when another producer wrote a malformed one."""

@@ -169,3 +169,28 @@ async def test_demo_on_a_shared_redis_uses_a_prefix_of_its_own(cli: Cli) -> None
     assert sum(cli.mock.requests.values()) == before  # production's upstream was not called
     assert [key async for key in cli.redis.scan_iter(match=f"{own.group(1)}:*")] == []
     assert (await cli.client.jobs()).jobs == []  # nothing under the production prefix
+
+
+# -- 4. producers name the upstreams the workers serve ----------------------------------------
+
+
+async def test_enqueue_names_an_upstream_only_the_workers_configure(cli: Cli) -> None:
+    """The workers have ``CHATSTREAM_UPSTREAMS__SLOW__URL``, the enqueuing shell does not:
+    ``--upstream slow`` runs; a name nobody serves is still one line."""
+    await cli.fleet.start(upstreams__slow__url=cli.fleet.upstream_url)
+    result = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--upstream", "slow", "--wait",
+        "--timeout", "30", "--mock", '{"tokens": 3}',
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "status    succeeded" in result.stdout
+    job_id = result.stdout.splitlines()[0]
+    assert (await cli.client.get(job_id)).upstream == "slow"
+    refused = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--upstream", "fast", timeout=DEADLINE
+    )
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr == (
+        "chatstream: error: unknown upstream 'fast'; configured here: ['default']; served by "
+        f"the workers on prefix {cli.prefix!r}: ['default', 'slow']\n"
+    )
