@@ -194,3 +194,51 @@ async def test_enqueue_names_an_upstream_only_the_workers_configure(cli: Cli) ->
         "chatstream: error: unknown upstream 'fast'; configured here: ['default']; served by "
         f"the workers on prefix {cli.prefix!r}: ['default', 'slow']\n"
     )
+
+
+# -- 6. small ones -------------------------------------------------------------------------
+
+
+async def test_a_misspelled_setting_is_warned_about_once(cli: Cli) -> None:
+    env = {
+        "CHATSTREAM_CONCURENCY": "5",
+        "CHATSTREAM_UPSTREAMS__SLOW__URL": "http://x/v1",
+        "CHATSTREAM_UPSTREAMS__SLOW__MAX_CONCURENT": "2",
+    }
+    result = await cli.run("stats", env=env, timeout=DEADLINE)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "names no setting" in line]
+    assert len(warnings) == 2, result.stderr
+    assert warnings[0].endswith(
+        "CHATSTREAM_CONCURENCY (did you mean CHATSTREAM_CONCURRENCY?) names no setting; "
+        "it is ignored"
+    )
+    assert warnings[1].endswith(
+        "CHATSTREAM_UPSTREAMS__SLOW__MAX_CONCURENT (did you mean "
+        "CHATSTREAM_UPSTREAMS__SLOW__MAX_CONCURRENT?) names no setting; it is ignored"
+    )
+    clean = await cli.run("stats", env={"CHATSTREAM_UPSTREAMS__SLOW__URL": "http://x/v1"})
+    assert "names no setting" not in clean.stderr
+
+
+async def test_small_mistakes_are_accepted_or_said_in_one_line(cli: Cli) -> None:
+    lower = await cli.run("stats", env={"CHATSTREAM_LOG_LEVEL": "info"}, timeout=DEADLINE)
+    assert lower.returncode == 0, lower.stderr
+    await cli.client.enqueue(chat("x"), job_id="some-job")
+    garbage = await cli.run("tail", "some-job", "--after", "garbage", timeout=DEADLINE)
+    assert garbage.returncode == 1 and garbage.stdout == ""
+    assert garbage.stderr == (
+        "chatstream: error: --after 'garbage' is not an entry id; entry ids look like "
+        "1718000000000-0 (milliseconds-sequence, as tail --json prints them; 0-0: from the "
+        "start)\n"
+    )
+    bad_db = cli.env["CHATSTREAM_REDIS_URL"].rsplit("/", 1)[0] + "/x"
+    url = await cli.run("stats", env={"CHATSTREAM_REDIS_URL": bad_db}, timeout=DEADLINE)
+    assert url.returncode == 1
+    assert url.stderr == (
+        "chatstream: error: invalid settings: CHATSTREAM_REDIS_URL: Value error, the database "
+        "'x' is not a number (redis://host:port/0; 0 to 15 on a default server)\n"
+    )
+    dead = await cli.run("dead", timeout=DEADLINE)
+    assert dead.returncode == 0
+    assert dead.stdout == f"{'entry':<20} {'job':<34} code\n"  # a header, as jobs prints

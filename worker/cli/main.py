@@ -2,8 +2,8 @@
 
 Exit codes: 0 done; 1 an error the user can fix, said in one line on stderr (never a
 traceback); 2 a usage error (argparse); 3 the job did not succeed (``enqueue --wait``,
-``--follow``, ``demo``); 130 interrupted; 141 stdout was closed (``... | head -1``), like
-other Unix tools, silently.
+``--follow``, ``demo``); 130 interrupted (``--follow`` and ``tail`` say how to resume);
+141 stdout was closed (``... | head -1``), like other Unix tools, silently.
 
 Subcommands are registered in :data:`SUBCOMMANDS`: one ``_add_*`` function each.
 """
@@ -33,7 +33,12 @@ from worker.aio import cancel_and_wait
 from worker.cli.output import print_event, print_jobs, print_record
 from worker.client import Client, within
 from worker.errors import ChatstreamError
-from worker.settings import Settings, load_settings
+from worker.settings import (
+    SUPERVISOR_PID_VARIABLE,
+    Settings,
+    load_settings,
+    unknown_variables,
+)
 from worker.urls import redacted_url
 
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
@@ -52,6 +57,7 @@ def run_command(args: argparse.Namespace) -> int:
         settings = load_settings()
         redis_url = settings.redis_url
         logs.configure(settings)
+        warn_unknown_variables()
         command: Command = args.command
         return speedups.run(command(settings, args), settings)
     except (ChatstreamError, RedisError, TimeoutError) as exc:
@@ -60,6 +66,15 @@ def run_command(args: argparse.Namespace) -> int:
         return stdout_closed()
     except KeyboardInterrupt:
         return 130
+
+
+def warn_unknown_variables() -> None:
+    """Once per start (not again in a supervisor's workers): the ``CHATSTREAM_*`` variables
+    that name no setting, which would otherwise be ignored silently."""
+    if SUPERVISOR_PID_VARIABLE in os.environ:
+        return
+    for variable in unknown_variables(os.environ):
+        log.warning("%s names no setting; it is ignored", variable)
 
 
 def error_message(exc: ChatstreamError | RedisError | TimeoutError, redis_url: str) -> str:
@@ -269,13 +284,16 @@ async def dead_command(settings: Settings, args: argparse.Namespace) -> int:
         if args.requeue:
             print(await client.requeue(args.requeue))
             return 0
-        for letter in await client.dead_letters(args.limit):
+        letters = await client.dead_letters(args.limit)
+        if not args.json:
+            print(f"{'entry':<20} {'job':<34} code", flush=True)
+        for letter in letters:
             if args.json:
                 line = {"id": letter.entry_id, "job": letter.job_id, "reason": letter.reason}
                 print(json.dumps(line, ensure_ascii=False), flush=True)
             else:
                 code = letter.reason.get("code", "")
-                print(f"{letter.entry_id}  {letter.job_id}  {code}", flush=True)
+                print(f"{letter.entry_id:<20} {letter.job_id:<34} {code}", flush=True)
     return 0
 
 
@@ -404,10 +422,17 @@ def _add_enqueue(sub: Any) -> None:
 
 
 def _add_job_commands(sub: Any) -> None:
-    p = sub.add_parser("tail", help="print a job's events live")
+    p = sub.add_parser(
+        "tail",
+        help="print a job's events live",
+        description="Print a job's events live. Text: the reply as it streams, its line "
+        "ended with the job (pipe --json to line-based tools: one line per entry).",
+    )
     p.add_argument("job")
-    p.add_argument("--after", default="0-0", help="resume after this entry id")
-    p.add_argument("--json", action="store_true", help="JSON lines")
+    p.add_argument(
+        "--after", default="0-0", help="resume after this entry id (e.g. 1718000000000-0)"
+    )
+    p.add_argument("--json", action="store_true", help="JSON lines, one per entry")
     p.set_defaults(command=tail_command)
     p = sub.add_parser("status", help="print a job's record")
     p.add_argument("job")
