@@ -574,6 +574,9 @@ class SyncClient:
     def progress(self, job_id: str) -> Progress | None:
         return self._runner.run(self._client.progress(job_id))
 
+    def queued_notice(self, job_id: str) -> str | None:
+        return self._runner.run(self._client.queued_notice(job_id))
+
     def events(self, job_id: str, after: str = "0-0") -> Iterator[StreamEvent]:
         stream = self._client.events(job_id, after)
         try:
