@@ -21,7 +21,8 @@ finish chunk twice, never a token twice) rather than losing its usage chunk and
             ``[DONE]``
 ``cancelled`` the same error chunk with the code ``cancelled``
 ``waiting`` an SSE comment line ``: waiting {...}`` (the entry's data; no event, no id):
-            SDKs skip it, a raw reader shows it; any other type is skipped the same way
+            SDKs skip it, a raw reader shows it; any other type is skipped the same way.
+            With ``progress_events`` (``?progress=events``, the page): ``event: waiting``
 =========== =============================================================================
 
 One entry is one chunk however many choices it carries (OpenAI's ``choices`` may hold
@@ -128,6 +129,7 @@ class ChunkContext:
     created: int
     model: str
     include_usage: bool
+    progress_events: bool = False  # waiting entries as ``event: waiting`` (?progress=events)
 
     @property
     def completion_id(self) -> str:
@@ -183,7 +185,7 @@ def sse_frames(ctx: ChunkContext, rows: Iterable[Row]) -> bytes:
     for entry_id, fields in rows:
         kind = fields.get("type", "")
         if kind not in OUTPUT_TYPES:  # progress (waiting): a comment, invisible to SDKs
-            out.append(progress_comment(kind, fields.get("data") or "{}"))
+            out.append(progress_frame(kind, fields.get("data") or "{}", ctx.progress_events))
             continue
         payloads = entry_payloads(ctx, kind, json.loads(fields.get("data") or "{}"))
         frames = [b"data: " + _dumps(payload).encode() + b"\n\n" for payload in payloads]
@@ -199,10 +201,14 @@ def sse_frames(ctx: ChunkContext, rows: Iterable[Row]) -> bytes:
 OUTPUT_TYPES = frozenset({"delta", "reset", "done", "error", "cancelled"})
 
 
-def progress_comment(kind: str, data: str) -> bytes:
+def progress_frame(kind: str, data: str, as_event: bool) -> bytes:
     """``: waiting {...}`` with no blank line after it: a comment line joins the next event
-    (an SDK that keeps the last ``id`` would read an empty event after a blank line)."""
-    return b": " + kind.encode()[:40] + b" " + data.replace("\n", " ").encode() + b"\n"
+    (an SDK that keeps the last ``id`` would read an empty event after a blank line). Asked
+    for (the page), a named event without an id: ``event: waiting`` + ``data: {...}``."""
+    name, line = kind.encode()[:40], data.replace("\n", " ").encode()
+    if as_event:
+        return b"event: " + name + b"\ndata: " + line + b"\n\n"
+    return b": " + name + b" " + line + b"\n"
 
 
 def native_frames(rows: Iterable[Row]) -> bytes:
