@@ -37,7 +37,7 @@ async def test_follow_says_the_job_waits_for_a_down_upstream(cli: Cli) -> None:
     naming the upstream and why, the stream has a few ``waiting`` entries (not one per
     retry), and the job ends with the timeout's error naming the outage."""
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    [process] = await cli.fleet.start(upstream_url=dead, job_timeout=6)
+    [process] = await cli.fleet.start(upstream_url=dead, job_timeout=10)
     result = await cli.run(
         "enqueue", "--model", "m", "--message", "x", "--job-id", "waits", "--follow",
         "--timeout", "3", timeout=DEADLINE,
@@ -51,11 +51,14 @@ async def test_follow_says_the_job_waits_for_a_down_upstream(cli: Cli) -> None:
         "chatstream: error: timed out after 3s; job waits goes on (chatstream tail waits "
         f"--after {(await stream_entries(cli.redis, cli.keys, 'waits'))[0].id})"
     )
+    status = await cli.run("status", "waits", timeout=DEADLINE)
+    assert "status    running\n" in status.stdout, status
+    assert "\nwaiting   upstream 'default' down for " in status.stdout, status.stdout
     record = await cli.client.result("waits", timeout=20)
     entries = await stream_entries(cli.redis, cli.keys, "waits")
     kinds = [event.type.value for event in entries]
     assert kinds[-1] == "error" and set(kinds[:-1]) == {"waiting"}, kinds
-    assert len(kinds) - 1 <= 3  # 6 s of waiting: said at once, then after 5 s at most
+    assert len(kinds) - 1 <= 3  # 10 s of waiting: said after 1 s, then after 5 s at most
     data = entries[0].data
     assert data["reason"] == "upstream_down" and data["upstream"] == "default"
     assert record.error is not None and "waiting for upstream 'default'" in str(record.error)
