@@ -432,10 +432,11 @@ class Client:
         )
         if ahead is None:
             return f"queued: next in line, waiting for a free worker ({workers})"
+        held = await self.queue.scheduler.holding_back(job_id, record.upstream)
         return (
             f"queued: {ahead} jobs ahead of it in tenant {record.tenant!r}'s queue for "
-            f"upstream {record.upstream!r}, waiting for a free worker or the upstream's "
-            f"limits ({workers})"
+            f"upstream {record.upstream!r}, waiting for "
+            f"{held or 'a free worker or its upstream limits'} ({workers})"
         )
 
     async def aclose(self) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from tests.helpers.checks import stream_entries
+from tests.helpers.checks import eventually, stream_entries
 from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
 from tests.helpers.servers import free_port
@@ -85,8 +85,31 @@ async def test_follow_says_a_job_no_worker_took_is_queued(cli: Cli) -> None:
     lines = fourth.stderr.splitlines()
     assert lines[0] == (
         "queued: 2 jobs ahead of it in tenant 'default''s queue for upstream 'default', "
-        f"waiting for a free worker or the upstream's limits {no_worker}"
+        f"waiting for a free worker or its upstream limits {no_worker}"
     ), lines
+
+
+async def test_follow_says_a_queued_job_waits_for_a_permit(cli: Cli) -> None:
+    """A fleet limit of one stream at once, held by a long job: the next job's follower
+    is told what it waits for."""
+    await cli.fleet.start(upstream_max_concurrent=1)
+    slow = await cli.client.enqueue(chat("slow", tokens=2000, rate=20), job_id="slow")
+    await eventually(lambda: _running(cli, slow))
+    result = await cli.run(
+        "enqueue", "--model", "m", "--message", "x", "--job-id", "next", "--follow",
+        "--timeout", "5", timeout=DEADLINE,
+    )  # fmt: skip
+    lines = result.stderr.splitlines()
+    assert lines[0] == (
+        "queued: 0 jobs ahead of it in tenant 'default''s queue for upstream 'default', "
+        "waiting for a free stream of upstream 'default' (1 of 1 at once in use) "
+        "(1 live workers)"
+    ), lines
+    await cli.client.cancel(slow)
+
+
+async def _running(cli: Cli, job_id: str) -> bool:
+    return (await cli.client.get(job_id)).status == "running"
 
 
 # -- 5. Ctrl-C during --follow ----------------------------------------------------------------
