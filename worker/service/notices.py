@@ -4,15 +4,17 @@ An attempt waits without its slot (``Attempt.idle``) while its upstream is down 
 lets one probe at a time try it) or while the upstream's requests per minute are used up
 (fleet limits). :class:`WaitingNotices` wraps that ``idle`` and writes a ``waiting`` entry
 when the wait begins (an outage under ``NOTICE_AFTER`` seconds is a blip, not said),
-then again only when its reason changes or after a pause that grows
-from ``FIRST_PAUSE`` to ``MAX_PAUSE`` seconds, and at most ``MAX_NOTICES`` per attempt: a
-retry tick every few milliseconds writes nothing more. The write is fenced like every other
-write of the attempt (``records/notice.lua``); a Redis that refuses it costs the notice
-only, never the job. See docs/events.md and docs/decisions.md, 59.
+then again only when its reason changes or after a pause that grows from ``FIRST_PAUSE``
+to ``MAX_PAUSE`` seconds, and at most ``MAX_NOTICES`` per attempt: a retry tick every few
+milliseconds writes nothing more. A job that stays in one wait (it is not the probe, so it
+is not let out until the upstream is back) is announced again by a timer of its own. The
+write is fenced like every other write of the attempt (``records/notice.lua``); a Redis
+that refuses it costs the notice only, never the job. See docs/events.md and docs/decisions.md, 59.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -23,6 +25,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from schemas.events import EventType
+from worker.aio import cancel_and_wait
 from worker.store.records import Records, dumps
 from worker.upstream.gate import IdleSlot, UpstreamGate, monotonic
 
@@ -70,9 +73,29 @@ class WaitingNotices:
         async def announced() -> AsyncIterator[None]:
             async with idle():
                 await self.announce()
-                yield
+                refresh = asyncio.create_task(self._refresh())
+                try:
+                    yield
+                finally:
+                    await cancel_and_wait([refresh])
 
         return announced
+
+    async def _refresh(self) -> None:
+        """While one wait lasts (a job that is not the probe stays in it for the whole
+        outage), announce again when due."""
+        while (pause := self.next_due_in()) is not None:
+            await asyncio.sleep(pause)
+            await self.announce()
+
+    def next_due_in(self) -> float | None:
+        """Seconds until the next entry may be due (None: the attempt said all it may)."""
+        said = self._said
+        if said.attempt != self.attempt():
+            return NOTICE_AFTER
+        if said.count >= MAX_NOTICES:
+            return None
+        return max(said.at + _pause(said.count) - monotonic(), 0.1)
 
     async def announce(self) -> None:
         data = self.describe()
@@ -115,11 +138,15 @@ class WaitingNotices:
         if said.attempt != attempt or said.reason != reason:
             self._said = _Said(attempt, reason, now, 1, now)
             return True
-        pause = min(FIRST_PAUSE * 2 ** (said.count - 1), MAX_PAUSE)
-        if said.count >= MAX_NOTICES or now - said.at < pause:
+        if said.count >= MAX_NOTICES or now - said.at < _pause(said.count) - 0.05:
             return False
         said.at, said.count = now, said.count + 1
         return True
+
+
+def _pause(said: int) -> float:
+    """Seconds after the ``said``-th entry before the next: 5, 10, 20, 40, then 60."""
+    return min(FIRST_PAUSE * 2.0 ** (said - 1), MAX_PAUSE)
 
 
 def _brief(gate: UpstreamGate, now: float) -> bool:

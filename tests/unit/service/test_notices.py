@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
-from tests.helpers.checks import stream_entries
+from tests.helpers.checks import eventually, stream_entries
 from worker.errors import RetryableUpstreamError
 from worker.service import notices
 from worker.service.notices import MAX_NOTICES, WaitingNotices
@@ -105,3 +107,32 @@ async def test_the_entry_is_fenced_by_the_running_attempt(
     assert (await stream_entries(redis, keys, "j"))[1].parsed_data().model_dump()["reason"] == (
         "rate_limit"
     )
+
+
+async def test_a_job_that_stays_in_one_wait_is_announced_again(
+    settings: Settings, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not the probe, a job waits in one ``idle`` for the whole outage: a timer of its own
+    writes the later entries, each saying a longer wait; leaving the wait stops it."""
+    monkeypatch.setattr(notices, "FIRST_PAUSE", 0.1)
+    keys = Keys(settings.prefix)
+    await redis.hset(keys.job("j"), mapping={"status": "running", "attempt": "1"})
+    gate = UpstreamGate("default", initial_backoff=0.01, max_backoff=0.05)
+    gate._failed(RetryableUpstreamError("HTTP 503", retry_after=30.0), probe=False)
+    job = WaitingNotices(Records(redis, keys, 60), {"default": gate}, "j", "default", lambda: 1)
+
+    async def entries() -> int:
+        return len(await stream_entries(redis, keys, "j"))
+
+    async with job.around(gate_module.keep_slot)():
+        await eventually(lambda: _at_least(entries(), 3))
+    left = await stream_entries(redis, keys, "j")
+    waited = [event.data["for_s"] for event in left]
+    assert waited == sorted(waited) and waited[-1] > waited[0]
+    assert {event.data["detail"] for event in left} == {"HTTP 503"}
+    await asyncio.sleep(0.5)  # (the timer would have written two more by now)
+    assert len(await stream_entries(redis, keys, "j")) == len(left)
+
+
+async def _at_least(count: Awaitable[int], wanted: int) -> bool:
+    return await count >= wanted
