@@ -462,11 +462,10 @@ async def within(work: Coroutine[Any, Any, T], timeout: float | None) -> T:
     Not ``asyncio.timeout``: redis-py can swallow the one cancellation it sends (see
     ``worker.aio.cancel_and_wait``), and a blocking read then runs on past the deadline
     (``enqueue --follow --timeout 1`` streamed a 4 s reply to its end on a loaded
-    machine). The work runs as a task that is cancelled until it stops.
+    machine). The work runs as a task that is cancelled until it stops, also when the
+    caller is cancelled (Ctrl-C during ``tail``), with or without a timeout.
     """
-    if timeout is None:
-        return await work
-    task = asyncio.ensure_future(work)
+    task = asyncio.ensure_future(work)  # also without a timeout: a cancel (Ctrl-C) ends it
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
     finally:

@@ -237,7 +237,7 @@ async def tail_command(settings: Settings, args: argparse.Namespace) -> int:
     followed = Followed(args.job, args.after)
     async with connected(settings) as client:
         try:
-            await follow(client, followed, as_json=args.json, after=args.after)
+            await within(follow(client, followed, as_json=args.json, after=args.after), None)
         except asyncio.CancelledError:
             interrupted(followed)
             raise
