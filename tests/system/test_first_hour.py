@@ -137,6 +137,15 @@ async def test_ctrl_c_during_follow_says_the_job_goes_on(cli: Cli) -> None:
     last = line.removeprefix(prefix).rstrip(")")
     assert last in {event.id for event in entries}
     assert (await cli.client.get("interrupted")).status == "running"  # not cancelled
+    tail = await cli.start("tail", "interrupted", "--after", last)  # the hint, as printed
+    assert tail.stdout is not None
+    await read_until(tail.stdout, b"tok")
+    tail.send_signal(signal.SIGINT)
+    async with asyncio.timeout(DEADLINE):
+        out, err = await tail.communicate()
+    assert tail.returncode == 130 and out.endswith(b"\n")
+    [line] = err.decode().splitlines()
+    assert line.startswith(prefix) and line != f"{prefix}{last})", line  # it moved on
     await cli.client.cancel("interrupted")
 
 
