@@ -22,7 +22,7 @@ from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import PRIORITY_RANK, ChatRequest, JobSpec, Priority
 from worker.aio import cancel_and_wait
 from worker.errors import InvalidJobError, JobNotFoundError, NotReplicatedError, QueueFullError
-from worker.settings import Settings
+from worker.settings import Settings, load_settings
 from worker.store.batch import BatchSender
 from worker.store.bulk import BulkEnqueue
 from worker.store.cluster_batch import default_sender
@@ -88,7 +88,7 @@ class Client:
         updates: dict[str, Any] = {"redis_url": url}
         if prefix is not None:
             updates["prefix"] = prefix
-        return cls.from_settings(Settings(**updates))
+        return cls.from_settings(load_settings(**updates))  # ConfigError names a bad variable
 
     async def __aenter__(self) -> Client:
         return self
