@@ -22,6 +22,7 @@ class EventType(StrEnum):
     DONE = "done"
     ERROR = "error"
     CANCELLED = "cancelled"
+    WAITING = "waiting"
 
 
 TERMINAL_EVENTS: frozenset[EventType] = frozenset(
@@ -107,6 +108,28 @@ class ResetData(_Data):
     reason: str = Field(description="A human-readable reason.")
 
 
+class WaitingData(_Data):
+    """``data`` of a ``waiting`` entry: the attempt waits before it calls its upstream.
+
+    Written once when the wait begins, then again only when its reason changes or after a
+    pause that grows from 5 s to 60 s (at most 30 per attempt). Progress only: it changes
+    nothing in the job's output, and a reader that does not know the type skips it.
+    """
+
+    reason: str = Field(
+        description="upstream_down (the upstream failed before its first byte: refused, "
+        "timed out, 429 or 5xx; one probe at a time tries it) or rate_limit (the upstream's "
+        "requests per minute, fleet-wide, are used up)."
+    )
+    upstream: str = Field(description="The upstream name the job waits for.")
+    since_ms: int = Field(description="When the wait began, Unix milliseconds (worker's clock).")
+    for_s: float = Field(description="Seconds it had waited when the entry was written.")
+    retry_in_s: float | None = Field(
+        None, description="Seconds until the upstream's next try, when known."
+    )
+    detail: str = Field("", description="Why, in words: the upstream's last failure.")
+
+
 class ErrorObject(_Data):
     """The error of a failed job (the same object as the record's ``error`` field)."""
 
@@ -179,6 +202,7 @@ DATA_MODELS: dict[EventType, type[BaseModel]] = {
     EventType.DONE: DoneData,
     EventType.ERROR: ErrorData,
     EventType.CANCELLED: CancelledData,
+    EventType.WAITING: WaitingData,
 }
 
 
@@ -190,14 +214,15 @@ class StreamEvent(BaseModel):
     arrived since the previous delta entry; tool-call fragments carry their ``index``;
     ``choices``: the other choices' with their ``index``, n > 1); reset: ``{reason}``;
     done: ``{finish_reason, usage}``; error: ``{error, finish_reason?, usage?}``;
-    cancelled: ``{usage?}``; a terminal entry adds ``web_search`` / ``free_tier`` when the
-    upstream sent them, ``traceparent`` when the worker traces and, n > 1,
+    cancelled: ``{usage?}``; waiting: ``{reason, upstream, since_ms, for_s, retry_in_s?,
+    detail}`` (progress only, never output); a terminal entry adds ``web_search`` /
+    ``free_tier`` when the upstream sent them, ``traceparent`` when the worker traces and, n > 1,
     ``choices: [{index, finish_reason}]``. See
     ``DATA_MODELS`` for each type's model.
     """
 
     id: str = Field(description="The stream entry id, e.g. 1718000000000-0: the resume cursor.")
-    type: EventType = Field(description="delta | reset | done | error | cancelled.")
+    type: EventType = Field(description="delta | reset | done | error | cancelled | waiting.")
     attempt: int = Field(
         ge=0,
         description="The attempt that wrote the entry (1, 2, ...; 0 only on the cancelled "

@@ -22,7 +22,7 @@ from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import PRIORITY_RANK, ChatRequest, JobSpec, Priority
 from worker.aio import cancel_and_wait
 from worker.errors import InvalidJobError, JobNotFoundError, NotReplicatedError, QueueFullError
-from worker.settings import Settings
+from worker.settings import Settings, load_settings
 from worker.store.batch import BatchSender
 from worker.store.bulk import BulkEnqueue
 from worker.store.cluster_batch import default_sender
@@ -37,6 +37,7 @@ from worker.telemetry import context_fields
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
+LIVE_WINDOW = 60  # seconds: a worker that beat within it is counted live by queued_notice
 T = TypeVar("T")
 
 
@@ -81,6 +82,21 @@ class Client:
         )
 
     @classmethod
+    def from_url(cls, url: str, *, prefix: str | None = None) -> Client:
+        """A client on a connection of its own to ``url`` (any ``CHATSTREAM_REDIS_URL`` form),
+        the other settings from the environment; close it (``async with``, or ``aclose``)."""
+        updates: dict[str, Any] = {"redis_url": url}
+        if prefix is not None:
+            updates["prefix"] = prefix
+        return cls.from_settings(load_settings(**updates))  # ConfigError names a bad variable
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @classmethod
     async def connect(cls, settings: Settings) -> Client:
         """A client on :func:`worker.store.redis_client.connect` (a plain URL of a Cluster node
         becomes a cluster client)."""
@@ -108,6 +124,7 @@ class Client:
         record and queue entry, else raises NotReplicatedError: the job is queued on the
         master all the same, and enqueueing it again with the same ``job_id`` waits again.
         """
+        await self._check_upstream(upstream)
         spec = self._spec(
             request, job_id or new_job_id(), upstream, metadata or {}, tenant, priority
         )
@@ -178,6 +195,7 @@ class Client:
         (InvalidJobError names the first bad one by its index). When the tenant's queue
         fills up, QueueFullError says so, its ``queued`` listing the ids that were queued
         (they stay queued); the refused jobs leave nothing behind."""
+        await self._check_upstream(upstream)
         specs = [
             self._spec_at(index, request, upstream, metadata or {}, tenant, priority)
             for index, request in enumerate(requests)
@@ -234,8 +252,6 @@ class Client:
         tenant: str = "default",
         priority: Priority = "normal",
     ) -> JobSpec:
-        if self.upstreams is not None and upstream not in self.upstreams:
-            raise InvalidJobError(f"unknown upstream {upstream!r}; configured: {self.upstreams}")
         try:
             return JobSpec.model_validate(
                 {
@@ -252,6 +268,19 @@ class Client:
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise InvalidJobError(f"invalid job: {problems}") from None
+
+    async def _check_upstream(self, upstream: str) -> None:
+        """A name this client's settings know, or one the workers publish that they serve
+        (``Scheduler.served``): a producer need not copy the workers' upstream URLs."""
+        if self.upstreams is None or upstream in self.upstreams:
+            return
+        served = await self.queue.scheduler.served()
+        if served is not None and upstream in served:
+            return
+        raise InvalidJobError(
+            f"unknown upstream {upstream!r}; configured here: {self.upstreams}; served by "
+            f"the workers on prefix {self.keys.prefix!r}: {served or 'none published yet'}"
+        )
 
     async def get(self, job_id: str) -> JobRecord:
         """The job's record; InvalidJobError when another producer wrote a malformed one."""
@@ -387,6 +416,29 @@ class Client:
             return None
         return await read_progress(self.redis, self.keys, job_id, record.attempt, record.started_at)
 
+    async def queued_notice(self, job_id: str) -> str | None:
+        """One line about a job no worker has started yet (None once one has): what
+        ``enqueue --follow`` prints when its stream stays empty for a few seconds."""
+        record = await self.get(job_id)
+        if record.status is not JobStatus.QUEUED:
+            return None
+        ahead = await self.queue.scheduler.ahead_of(job_id, record.tenant, record.upstream)
+        seconds, _ = await self.redis.time()
+        live = int(await self.redis.zcount(self.keys.workers, int(seconds) - LIVE_WINDOW, "+inf"))
+        workers = (
+            f"{live} live workers"
+            if live
+            else f"no worker beat in {LIVE_WINDOW} s: start one with chatstream worker"
+        )
+        if ahead is None:
+            return f"queued: next in line, waiting for a free worker ({workers})"
+        held = await self.queue.scheduler.holding_back(job_id, record.upstream)
+        return (
+            f"queued: {ahead} jobs ahead of it in tenant {record.tenant!r}'s queue for "
+            f"upstream {record.upstream!r}, waiting for "
+            f"{held or 'a free worker or its upstream limits'} ({workers})"
+        )
+
     async def aclose(self) -> None:
         await self.replication.aclose()
         await self.redis.aclose()
@@ -410,11 +462,10 @@ async def within(work: Coroutine[Any, Any, T], timeout: float | None) -> T:
     Not ``asyncio.timeout``: redis-py can swallow the one cancellation it sends (see
     ``worker.aio.cancel_and_wait``), and a blocking read then runs on past the deadline
     (``enqueue --follow --timeout 1`` streamed a 4 s reply to its end on a loaded
-    machine). The work runs as a task that is cancelled until it stops.
+    machine). The work runs as a task that is cancelled until it stops, also when the
+    caller is cancelled (Ctrl-C during ``tail``), with or without a timeout.
     """
-    if timeout is None:
-        return await work
-    task = asyncio.ensure_future(work)
+    task = asyncio.ensure_future(work)  # also without a timeout: a cancel (Ctrl-C) ends it
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
     finally:
@@ -522,6 +573,9 @@ class SyncClient:
 
     def progress(self, job_id: str) -> Progress | None:
         return self._runner.run(self._client.progress(job_id))
+
+    def queued_notice(self, job_id: str) -> str | None:
+        return self._runner.run(self._client.queued_notice(job_id))
 
     def events(self, job_id: str, after: str = "0-0") -> Iterator[StreamEvent]:
         stream = self._client.events(job_id, after)

@@ -6,10 +6,20 @@ Redis, logs or error messages.
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from schemas.requests import TENANT_PATTERN
@@ -367,6 +377,14 @@ class Settings(BaseSettings):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
 
+    @field_validator("log_level", "log_format", mode="before")
+    @classmethod
+    def _any_case(cls, value: object, info: ValidationInfo) -> object:
+        """``info`` is ``INFO``; ``JSON`` is ``json``."""
+        if not isinstance(value, str):
+            return value
+        return value.upper() if info.field_name == "log_level" else value.lower()
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url_parses(cls, value: str) -> str:
@@ -435,6 +453,42 @@ def load_settings(**overrides: object) -> Settings:
         raise ConfigError(f"invalid settings: {problems}") from None
     except SettingsError as exc:  # a value that is not JSON where JSON is expected
         raise ConfigError(f"invalid settings: {_unparsable(exc)}") from None
+
+
+# CHATSTREAM_* variables that are not settings: set by chatstream for its own processes
+SUPERVISOR_PID_VARIABLE = "CHATSTREAM_SUPERVISOR_PID"  # a supervised worker's (supervisor.py)
+OTHER_VARIABLES = frozenset({SUPERVISOR_PID_VARIABLE, "CHATSTREAM_MOCK_CONFIG"})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """``CHATSTREAM_*`` variables that name no setting (a typo is otherwise silently
+    ignored), each with the closest setting's variable when one is close:
+    ``CHATSTREAM_CONCURENCY (did you mean CHATSTREAM_CONCURRENCY?)``."""
+    known = {f"CHATSTREAM_{name.upper()}" for name in Settings.model_fields}
+    nested = {f"CHATSTREAM_UPSTREAMS__{name.upper()}" for name in Upstream.model_fields}
+    found = []
+    for variable in sorted(v for v in environ if v.upper().startswith("CHATSTREAM_")):
+        name = variable.upper()
+        head, _, rest = name.partition("__")  # CHATSTREAM_UPSTREAMS__SLOW__URL: nested
+        if name in OTHER_VARIABLES or (head in known and head != "CHATSTREAM_UPSTREAMS"):
+            continue
+        upstream_field = f"{head}__{rest.partition('__')[2]}"
+        if head in known and (not rest or (rest.count("__") == 1 and upstream_field in nested)):
+            continue
+        close = _closest(name, head, rest, known)
+        found.append(variable + (f" (did you mean {close}?)" if close else ""))
+    return found
+
+
+def _closest(name: str, head: str, rest: str, known: set[str]) -> str | None:
+    """The setting's variable ``name`` is closest to (a nested upstream field's among its
+    upstream's), if one is close."""
+    candidates = sorted(known)
+    if head == "CHATSTREAM_UPSTREAMS" and "__" in rest:
+        upstream = rest.partition("__")[0]
+        candidates = [f"{head}__{upstream}__{field.upper()}" for field in Upstream.model_fields]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def variable_name(loc: tuple[int | str, ...]) -> str:

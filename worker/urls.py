@@ -8,7 +8,7 @@ Pure (no I/O): settings validate ``CHATSTREAM_REDIS_URL`` with :func:`parse_redi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, unquote, urlencode
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from worker.errors import ConfigError
 
@@ -63,6 +63,7 @@ def parse_redis_url(text: str) -> RedisUrl:
             "redis+cluster://, rediss+cluster://, redis+sentinel:// or rediss+sentinel://"
         )
     if not mode:
+        _check_database(text, base)
         return RedisUrl("single", text, tls=base == "rediss")
     if base == "unix":
         raise ConfigError(f"CHATSTREAM_REDIS_URL: {scheme}:// takes host:port pairs, not a socket")
@@ -80,6 +81,20 @@ def parse_redis_url(text: str) -> RedisUrl:
         f"?{rest_query}" if rest_query else ""
     )
     return RedisUrl(mode, one, nodes, service, base == "rediss", sentinel)
+
+
+def _check_database(text: str, base: str) -> None:
+    """``redis://host:port/<db>``: the database is a number (redis-py would fail on the
+    first command, or not at all, for ``/x``)."""
+    parts = urlsplit(text)
+    path = parts.path.strip("/") if base != "unix" else ""
+    db = dict(parse_qsl(parts.query)).get("db", "")
+    for value in (path, db):
+        if value and not value.isdigit():
+            raise ConfigError(
+                f"CHATSTREAM_REDIS_URL: the database {value!r} is not a number "
+                "(redis://host:port/0; 0 to 15 on a default server)"
+            )
 
 
 def _split(rest: str) -> tuple[str, str, str]:

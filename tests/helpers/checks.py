@@ -129,7 +129,13 @@ def check_stream(events: list[StreamEvent], record: JobRecord) -> Merged:
     assert events[-1] is terminals[0]
     assert events[-1].type is TERMINAL_TYPE[record.status]
     assert events[-1].attempt == record.attempt
-    assert all(e.type in (EventType.DELTA, EventType.RESET) for e in events[:-1])
+    assert all(e.type in (EventType.DELTA, EventType.RESET, EventType.WAITING) for e in events[:-1])
+    for i, waiting in enumerate(events):  # an attempt waits only before its first delta
+        if waiting.type is EventType.WAITING:
+            earlier = events[:i]
+            assert not any(
+                e.type is EventType.DELTA and e.attempt == waiting.attempt for e in earlier
+            )
     ids = [tuple(int(part) for part in e.id.split("-")) for e in events]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     merged = merge_deltas(events)

@@ -19,6 +19,8 @@ from tests.helpers.checks import (
 from tests.helpers.harness import MOCK, Harness, chat
 from worker.client import Client, SyncClient, within
 from worker.errors import InvalidJobError, JobNotFoundError
+from worker.settings import Settings
+from worker.store.scheduler import config_fields
 from worker.testing.mock_upstream import expected_reply
 
 COMPLETIONS = "/v1/chat/completions"
@@ -37,6 +39,23 @@ async def test_unknown_upstream_is_rejected_at_enqueue(harness: Harness) -> None
     keys = harness.worker.keys
     assert await harness.redis.exists(keys.job("j1")) == 0
     assert await harness.redis.xlen(keys.queue) == 0
+
+
+async def test_an_upstream_the_workers_publish_is_accepted_without_its_settings(
+    harness: Harness,
+) -> None:
+    """The workers publish the names they serve; a producer that knows only ``default``
+    accepts ``slow`` once they do, and still refuses a name nobody serves."""
+    producer = Client(harness.redis, prefix=harness.worker.keys.prefix, upstreams=["default"])
+    with pytest.raises(InvalidJobError, match=r"served by the workers on prefix .*: \['default'\]"):
+        await producer.enqueue(chat(), job_id="j1", upstream="slow")
+    served = Settings(upstreams={"slow": {"url": "http://127.0.0.1:9/v1"}})
+    await harness.worker.queue.scheduler.publish(config_fields(served))
+    assert await producer.enqueue(chat(), job_id="j1", upstream="slow") == "j1"
+    assert (await producer.get("j1")).upstream == "slow"
+    with pytest.raises(InvalidJobError, match="unknown upstream 'http://x'"):
+        await producer.enqueue(chat(), job_id="j2", upstream="http://x")
+    assert await harness.redis.exists(harness.worker.keys.job("j2")) == 0
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,9 @@
 
 Without ``CHATSTREAM_REDIS_URL`` it uses an in-process Redis stand-in (fakeredis); without
 ``CHATSTREAM_UPSTREAM_URL`` (or named upstreams) it serves the mock upstream on loopback.
-Set either and the same command uses the real thing. ``--gateway`` also serves the HTTP
+Set either and the same command uses the real thing; on a real Redis its keys get a prefix
+of their own (``<prefix>-demo-<random>``, deleted at the end), so workers already serving
+that Redis never take the demo's job. ``--gateway`` also serves the HTTP
 gateway and streams the reply through it: cut off mid-reply, then resumed with
 ``Last-Event-ID``; then it keeps serving the page at ``/`` until interrupted.
 """
@@ -10,15 +12,21 @@ gateway and streams the reply through it: cut off mid-reply, then resumed with
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sys
 from contextlib import AsyncExitStack
+
+from redis.exceptions import RedisError
 
 from worker.aio import cancel_and_wait
 from worker.cli.output import print_event, print_record
 from worker.client import Client
 from worker.service.worker import Worker
 from worker.settings import Settings
-from worker.store.redis_client import RedisClient, connect
+from worker.store.redis_client import RedisClient, connect, is_fake
+from worker.urls import redacted_url
+
+DEMO_RETENTION = 600  # seconds: what a demo that did not clean up leaves behind expires
 
 DEMO_REPLY = (
     "A durable token stream keeps every piece of a model's reply in Redis as it arrives. "
@@ -34,6 +42,9 @@ async def run_demo(
     async with AsyncExitStack() as stack:
         redis = await _redis(settings)
         stack.push_async_callback(redis.aclose)
+        if not is_fake(redis):
+            settings = _own_prefix(settings)
+            stack.push_async_callback(_forget, redis, settings.prefix)
         settings = await _upstream(stack, settings, tokens, rate)
         worker = Worker(settings, redis)
         await worker.startup()
@@ -61,6 +72,28 @@ async def _redis(settings: Settings) -> RedisClient:
     )
     fake: RedisClient = fakeredis.FakeAsyncRedis(decode_responses=True)
     return fake
+
+
+def _own_prefix(settings: Settings) -> Settings:
+    """A real Redis may be shared with workers on ``CHATSTREAM_PREFIX``: the demo's job,
+    worker and keys get a prefix of their own, so no other worker takes its job."""
+    prefix = f"{settings.prefix}-demo-{secrets.token_hex(4)}"
+    print(
+        f"demo: using {redacted_url(settings.redis_url)} with a key prefix of its own, "
+        f"{prefix!r}: workers on {settings.prefix!r} never see its job",
+        file=sys.stderr,
+    )
+    return settings.model_copy(update={"prefix": prefix, "retention_seconds": DEMO_RETENTION})
+
+
+async def _forget(redis: RedisClient, prefix: str) -> None:
+    """The demo's keys, deleted at the end (what a failure leaves expires with its retention)."""
+    try:
+        keys = [key async for key in redis.scan_iter(match=f"{prefix}:*", count=1000)]
+        for key in keys:
+            await redis.unlink(key)
+    except RedisError as exc:
+        print(f"demo: its keys under {prefix!r} were left to expire ({exc})", file=sys.stderr)
 
 
 async def _upstream(

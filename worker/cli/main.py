@@ -2,8 +2,8 @@
 
 Exit codes: 0 done; 1 an error the user can fix, said in one line on stderr (never a
 traceback); 2 a usage error (argparse); 3 the job did not succeed (``enqueue --wait``,
-``--follow``, ``demo``); 130 interrupted; 141 stdout was closed (``... | head -1``), like
-other Unix tools, silently.
+``--follow``, ``demo``); 130 interrupted (``--follow`` and ``tail`` say how to resume);
+141 stdout was closed (``... | head -1``), like other Unix tools, silently.
 
 Subcommands are registered in :data:`SUBCOMMANDS`: one ``_add_*`` function each.
 """
@@ -15,21 +15,30 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from schemas.events import EventType
 from schemas.jobs import JobRecord, JobStatus
 from worker import logs, speedups
+from worker.aio import cancel_and_wait
 from worker.cli.output import print_event, print_jobs, print_record
 from worker.client import Client, within
 from worker.errors import ChatstreamError
-from worker.settings import Settings, load_settings
+from worker.settings import (
+    SUPERVISOR_PID_VARIABLE,
+    Settings,
+    load_settings,
+    unknown_variables,
+)
 from worker.urls import redacted_url
 
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
@@ -48,6 +57,7 @@ def run_command(args: argparse.Namespace) -> int:
         settings = load_settings()
         redis_url = settings.redis_url
         logs.configure(settings)
+        warn_unknown_variables()
         command: Command = args.command
         return speedups.run(command(settings, args), settings)
     except (ChatstreamError, RedisError, TimeoutError) as exc:
@@ -56,6 +66,15 @@ def run_command(args: argparse.Namespace) -> int:
         return stdout_closed()
     except KeyboardInterrupt:
         return 130
+
+
+def warn_unknown_variables() -> None:
+    """Once per start (not again in a supervisor's workers): the ``CHATSTREAM_*`` variables
+    that name no setting, which would otherwise be ignored silently."""
+    if SUPERVISOR_PID_VARIABLE in os.environ:
+        return
+    for variable in unknown_variables(os.environ):
+        log.warning("%s names no setting; it is ignored", variable)
 
 
 def error_message(exc: ChatstreamError | RedisError | TimeoutError, redis_url: str) -> str:
@@ -141,35 +160,98 @@ async def enqueue_command(settings: Settings, args: argparse.Namespace) -> int:
             print(job_id, flush=True)
         if not (args.follow or args.wait):
             return 0
-        try:  # --follow and --wait alike
-            record = await within(follow_then_wait(client, job_id, args), args.timeout)
-        except TimeoutError:
-            if args.follow and not args.json:
-                print(flush=True)  # end the partial line of text
-            return fail(
-                f"timed out after {args.timeout:g}s; job {job_id} goes on "
-                f"(chatstream tail {job_id})"
-            )
-        print_record(record, as_json=args.json)
-        return 0 if record.status == "succeeded" else 3
+        return await follow_or_wait(client, Followed(job_id), args)
 
 
-async def follow_then_wait(client: Client, job_id: str, args: argparse.Namespace) -> JobRecord:
+@dataclass(slots=True)
+class Followed:
+    """A job being followed, and the last entry printed: where ``tail --after`` resumes."""
+
+    job_id: str
+    last_id: str = "0-0"
+    line_open: bool = False  # text was printed without its newline yet
+
+    def resume_hint(self) -> str:
+        after = f" --after {self.last_id}" if self.last_id != "0-0" else ""
+        return f"job {self.job_id} goes on (chatstream tail {self.job_id}{after})"
+
+    def end_line(self) -> None:
+        if self.line_open:
+            print(flush=True)
+            self.line_open = False
+
+
+async def follow_or_wait(client: Client, followed: Followed, args: argparse.Namespace) -> int:
+    """``--follow`` / ``--wait``: the record at the end (exit 0 or 3), or a hint to resume."""
+    try:
+        record = await within(follow_then_wait(client, followed, args), args.timeout)
+    except TimeoutError:
+        followed.end_line()
+        return fail(f"timed out after {args.timeout:g}s; {followed.resume_hint()}")
+    except asyncio.CancelledError:  # Ctrl-C: the job is not cancelled
+        interrupted(followed)
+        raise
+    print_record(record, as_json=args.json)
+    return 0 if record.status == "succeeded" else 3
+
+
+def interrupted(followed: Followed) -> None:
+    followed.end_line()
+    print(f"chatstream: interrupted; {followed.resume_hint()}", file=sys.stderr, flush=True)
+
+
+async def follow_then_wait(
+    client: Client, followed: Followed, args: argparse.Namespace
+) -> JobRecord:
     if args.follow:
-        await follow(client, job_id, as_json=args.json)
-    return await client.result(job_id)
+        await follow(client, followed, as_json=args.json)
+    return await client.result(followed.job_id)
 
 
-async def follow(client: Client, job_id: str, *, as_json: bool) -> None:
-    async for event in client.events(job_id):
-        print_event(event, as_json=as_json)
+async def follow(client: Client, followed: Followed, *, as_json: bool, after: str = "0-0") -> None:
+    """Print the job's events; a job still queued after ``QUEUED_HINT_AFTER`` seconds with
+    nothing in its stream gets one line saying so (stderr)."""
+    hint = asyncio.create_task(queued_hint(client, followed))
+    try:
+        async for event in client.events(followed.job_id, after=after):
+            followed.last_id = event.id
+            hint.cancel()
+            print_event(event, as_json=as_json)
+            followed.line_open = not as_json and event.type is EventType.DELTA
+    finally:
+        await cancel_and_wait([hint])
+
+
+QUEUED_HINT_AFTER = 3.0
+
+
+async def queued_hint(client: Client, followed: Followed) -> None:
+    await asyncio.sleep(QUEUED_HINT_AFTER)
+    line = await client.queued_notice(followed.job_id)
+    if line is not None and followed.last_id == "0-0":
+        print(line, file=sys.stderr, flush=True)
 
 
 async def tail_command(settings: Settings, args: argparse.Namespace) -> int:
+    check_entry_id(args.after)
+    followed = Followed(args.job, args.after)
     async with connected(settings) as client:
-        async for event in client.events(args.job, after=args.after):
-            print_event(event, as_json=args.json)
+        try:
+            await within(follow(client, followed, as_json=args.json, after=args.after), None)
+        except asyncio.CancelledError:
+            interrupted(followed)
+            raise
+    followed.end_line()
     return 0
+
+
+def check_entry_id(text: str) -> None:
+    """An entry id as Redis writes them: ``1718000000000-0`` (or ``1718000000000``)."""
+    if not re.fullmatch(r"\d{1,20}(-\d{1,20})?", text):
+        raise ChatstreamError(
+            f"--after {text!r} is not an entry id; entry ids look like 1718000000000-0 "
+            "(milliseconds-sequence, as tail --json prints them; 0-0: from the start)"
+        )
 
 
 async def status_command(settings: Settings, args: argparse.Namespace) -> int:
@@ -202,13 +284,16 @@ async def dead_command(settings: Settings, args: argparse.Namespace) -> int:
         if args.requeue:
             print(await client.requeue(args.requeue))
             return 0
-        for letter in await client.dead_letters(args.limit):
+        letters = await client.dead_letters(args.limit)
+        if not args.json:
+            print(f"{'entry':<20} {'job':<34} code", flush=True)
+        for letter in letters:
             if args.json:
                 line = {"id": letter.entry_id, "job": letter.job_id, "reason": letter.reason}
                 print(json.dumps(line, ensure_ascii=False), flush=True)
             else:
                 code = letter.reason.get("code", "")
-                print(f"{letter.entry_id}  {letter.job_id}  {code}", flush=True)
+                print(f"{letter.entry_id:<20} {letter.job_id:<34} {code}", flush=True)
     return 0
 
 
@@ -337,10 +422,17 @@ def _add_enqueue(sub: Any) -> None:
 
 
 def _add_job_commands(sub: Any) -> None:
-    p = sub.add_parser("tail", help="print a job's events live")
+    p = sub.add_parser(
+        "tail",
+        help="print a job's events live",
+        description="Print a job's events live. Text: the reply as it streams, its line "
+        "ended with the job (pipe --json to line-based tools: one line per entry).",
+    )
     p.add_argument("job")
-    p.add_argument("--after", default="0-0", help="resume after this entry id")
-    p.add_argument("--json", action="store_true", help="JSON lines")
+    p.add_argument(
+        "--after", default="0-0", help="resume after this entry id (e.g. 1718000000000-0)"
+    )
+    p.add_argument("--json", action="store_true", help="JSON lines, one per entry")
     p.set_defaults(command=tail_command)
     p = sub.add_parser("status", help="print a job's record")
     p.add_argument("job")

@@ -7,7 +7,10 @@ without importing each other.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from datetime import UTC, datetime
+from typing import Any
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
@@ -27,8 +30,33 @@ def print_event(event: StreamEvent, *, as_json: bool) -> None:
         print(event.data.get("content", ""), end="", flush=True)
     elif event.type is EventType.RESET:
         print(f"\n[reset: attempt {event.attempt} starts over]", flush=True)
+    elif event.type is EventType.WAITING:
+        print(describe_waiting(event.data), file=sys.stderr, flush=True)
     else:
         print(f"\n[{event.type.value}]", flush=True)
+
+
+def describe_waiting(data: dict[str, Any], now: float | None = None) -> str:
+    """``waiting: upstream 'default' down for 12 s (...), next try in 4.0 s``: one line;
+    with ``now`` (read later), how long it has waited by now, without the next try."""
+    upstream, waited = data.get("upstream", "?"), _seconds(data.get("for_s"))
+    since = data.get("since_ms")
+    if now is not None and isinstance(since, int):
+        waited = _seconds(round(max(now - since / 1000, 0.0)))
+        data = {key: value for key, value in data.items() if key != "retry_in_s"}
+    if data.get("reason") == "upstream_down":
+        text = f"waiting: upstream {upstream!r} down for {waited}"
+    else:
+        text = f"waiting: upstream {upstream!r} rate-limited for {waited}"
+    if data.get("detail"):
+        text += f" ({data['detail']})"
+    if data.get("retry_in_s") is not None:
+        text += f", next try in {_seconds(data['retry_in_s'])}"
+    return text
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:g} s" if isinstance(value, int | float) else "? s"
 
 
 def print_record(record: JobRecord, *, as_json: bool, progress: Progress | None = None) -> None:
@@ -40,6 +68,9 @@ def print_record(record: JobRecord, *, as_json: bool, progress: Progress | None 
     print(f"job       {record.id}\nstatus    {record.status.value}\nattempt   {record.attempt}")
     if progress is not None:
         print(f"progress  {describe_progress(progress)}")
+        if progress.waiting is not None:
+            waiting = describe_waiting(progress.waiting, now=time.time())
+            print(f"waiting   {waiting.removeprefix('waiting: ')}")
         if record.worker:
             print(f"worker    {record.worker}")
         return

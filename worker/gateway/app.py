@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any, cast
 
 from redis.exceptions import RedisError
@@ -183,7 +184,8 @@ async def job_events(request: Request) -> EventStream:
         frames = native_frames(feed.batches())
     else:
         done = info.status == JobStatus.SUCCEEDED.value
-        frames = openai_frames(info.context(), feed.batches(), done_if_empty=done)
+        ctx = replace(info.context(), progress_events=_progress_events(request))
+        frames = openai_frames(ctx, feed.batches(), done_if_empty=done)
     headers = {"x-chatstream-job-id": job_id}
     return gateway.event_stream(frames, info, headers, slot, cancel=cancel)
 
@@ -193,6 +195,15 @@ def _format(request: Request) -> str:
     if value not in ("openai", "chatstream"):
         raise GatewayError(400, "format must be openai or chatstream", code="invalid_format")
     return value
+
+
+def _progress_events(request: Request) -> bool:
+    """``?progress=events``: waiting entries as named SSE events (an EventSource listens for
+    them) instead of comments (which OpenAI SDKs skip)."""
+    value = request.query_params.get("progress", "comments")
+    if value not in ("comments", "events"):
+        raise GatewayError(400, "progress must be comments or events", code="invalid_progress")
+    return value == "events"
 
 
 async def owned(request: Request) -> tuple[Gateway, str]:

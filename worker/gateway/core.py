@@ -461,7 +461,7 @@ def failed_before_output(rows: list[Row]) -> bool:
     return (
         bool(rows)
         and rows[-1][1].get("type") in ("error", "cancelled")
-        and all(row[1].get("type") == "reset" for row in rows[:-1])
+        and all(row[1].get("type") in ("reset", "waiting") for row in rows[:-1])
     )
 
 

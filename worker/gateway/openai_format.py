@@ -20,6 +20,9 @@ finish chunk twice, never a token twice) rather than losing its usage chunk and
             ``TERMINAL_EXTRAS``) and ``finish_reason: "error"`` for every choice; no
             ``[DONE]``
 ``cancelled`` the same error chunk with the code ``cancelled``
+``waiting`` an SSE comment line ``: waiting {...}`` (the entry's data; no event, no id):
+            SDKs skip it, a raw reader shows it; any other type is skipped the same way.
+            With ``progress_events`` (``?progress=events``, the page): ``event: waiting``
 =========== =============================================================================
 
 One entry is one chunk however many choices it carries (OpenAI's ``choices`` may hold
@@ -126,6 +129,7 @@ class ChunkContext:
     created: int
     model: str
     include_usage: bool
+    progress_events: bool = False  # waiting entries as ``event: waiting`` (?progress=events)
 
     @property
     def completion_id(self) -> str:
@@ -180,6 +184,9 @@ def sse_frames(ctx: ChunkContext, rows: Iterable[Row]) -> bytes:
     out: list[bytes] = []
     for entry_id, fields in rows:
         kind = fields.get("type", "")
+        if kind not in OUTPUT_TYPES:  # progress (waiting): a comment, invisible to SDKs
+            out.append(progress_frame(kind, fields.get("data") or "{}", ctx.progress_events))
+            continue
         payloads = entry_payloads(ctx, kind, json.loads(fields.get("data") or "{}"))
         frames = [b"data: " + _dumps(payload).encode() + b"\n\n" for payload in payloads]
         if kind == "done":
@@ -189,6 +196,19 @@ def sse_frames(ctx: ChunkContext, rows: Iterable[Row]) -> bytes:
         out.extend(frames[:-1])
         out.append(b"id: " + entry_id.encode() + b"\n" + (frames[-1] if frames else b"\n"))
     return b"".join(out)
+
+
+OUTPUT_TYPES = frozenset({"delta", "reset", "done", "error", "cancelled"})
+
+
+def progress_frame(kind: str, data: str, as_event: bool) -> bytes:
+    """``: waiting {...}`` with no blank line after it: a comment line joins the next event
+    (an SDK that keeps the last ``id`` would read an empty event after a blank line). Asked
+    for (the page), a named event without an id: ``event: waiting`` + ``data: {...}``."""
+    name, line = kind.encode()[:40], data.replace("\n", " ").encode()
+    if as_event:
+        return b"event: " + name + b"\ndata: " + line + b"\n\n"
+    return b": " + name + b" " + line + b"\n"
 
 
 def native_frames(rows: Iterable[Row]) -> bytes:

@@ -9,6 +9,7 @@
 ``upkeep``      heartbeats and taking over dead workers' entries, lease renewal,
                 stranded entries, cancel requests
 ``pipeline``    ``run_job()``: one attempt's whole data flow, top to bottom
+``notices``     ``waiting`` entries: a job's readers learn that (and why) it waits
 ``metrics``     Prometheus metrics
 ``tracing``     OpenTelemetry: the attempt's span and the GenAI metrics (or nothing)
 ``health``      ``/metrics``, ``/healthz``, ``/readyz`` on ``CHATSTREAM_METRICS_PORT``

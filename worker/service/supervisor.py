@@ -27,11 +27,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from worker.settings import Settings
+from worker.settings import SUPERVISOR_PID_VARIABLE, Settings
 
 log = logging.getLogger("chatstream.supervisor")
 
-ENV_SUPERVISOR = "CHATSTREAM_SUPERVISOR_PID"
+ENV_SUPERVISOR = SUPERVISOR_PID_VARIABLE
 KILL_MARGIN = 30.0  # seconds past the shutdown grace before a child is killed
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

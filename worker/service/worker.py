@@ -30,6 +30,7 @@ from worker.service.entries import EntryFate, HeldEntry
 from worker.service.health import MetricsServer
 from worker.service.limits import FleetLimits
 from worker.service.metrics import Metrics
+from worker.service.notices import WaitingNotices
 from worker.service.pipeline import Attempt, Services, run_job
 from worker.service.runtime import default_upstream_unset, startup_summary
 from worker.service.slots import Slots
@@ -347,7 +348,10 @@ class Worker:
         logs.set_attempt(started.attempt)
         stream = self.publisher.open(job_id, started.attempt)
         job = held.job = Attempt(job_id, started.attempt, started.request, started.upstream, stream)
-        job.idle = self.slots.without_slot(held)
+        notices = WaitingNotices(
+            self.records, self.upstream.gates, job_id, job.upstream, lambda: job.attempt
+        )
+        job.idle = notices.around(self.slots.without_slot(held))
         job.limits = self.limits.for_entry(entry, job.upstream, job.idle)
         outcome = await self.tracing.run(job, started, lambda: run_job(self.services, job))
         held.settling = True

@@ -245,6 +245,7 @@ class Progress:
     tool_calls: int  # distinct tool-call indexes so far
     elapsed: float | None  # seconds since the attempt started (the worker's clock)
     last_delta_age: float | None  # seconds since the last delta entry (Redis's clock)
+    waiting: dict[str, Any] | None = None  # the attempt's last waiting entry, before any delta
 
 
 async def read_progress(
@@ -254,14 +255,19 @@ async def read_progress(
     counts = {"deltas": 0, "characters": 0, "reasoning": 0}
     calls: set[int] = set()
     last_millis: int | None = None
+    waiting: dict[str, Any] | None = None
     cursor = "-"
     while True:
         rows: Any = await redis.xrange(keys.events(job_id), cursor, "+", count=1000)
         for entry_id, fields in rows:
             entry = {as_text(k): as_text(v) for k, v in fields.items()}
-            if entry.get("type") == "delta" and entry.get("attempt") == str(attempt):
+            if entry.get("attempt") != str(attempt):
+                continue
+            if entry.get("type") == "delta":
                 _count_delta(entry.get("data", "{}"), counts, calls)
                 last_millis = int(as_text(entry_id).split("-")[0])
+            elif entry.get("type") == "waiting":
+                waiting = _json_object(entry.get("data", "{}"))
         if len(rows) < 1000:
             break
         cursor = "(" + as_text(rows[-1][0])
@@ -274,7 +280,16 @@ async def read_progress(
         tool_calls=len(calls),
         elapsed=None if started_at is None else max(now - started_at, 0.0),
         last_delta_age=None if last_millis is None else max(now - last_millis / 1000, 0.0),
+        waiting=waiting if counts["deltas"] == 0 else None,
     )
+
+
+def _json_object(data: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _count_delta(data: str, counts: dict[str, int], calls: set[int]) -> None:

@@ -50,6 +50,7 @@ REQUEUE = lua.script("records/requeue")
 CANCEL = lua.script("records/cancel")
 
 SET_ONCE = lua.script("records/set_once")
+NOTICE = lua.script("records/notice")
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
@@ -92,6 +93,7 @@ class Records:
         self._requeue = redis.register_script(REQUEUE)
         self._cancel = redis.register_script(CANCEL)
         self._set_once = redis.register_script(SET_ONCE)
+        self._notice = redis.register_script(NOTICE)
 
     def job_keys(self, job_id: str) -> list[str]:
         return [self.keys.job(job_id), self.keys.events(job_id)]
@@ -110,6 +112,11 @@ class Records:
         """The fenced terminal write, after the attempt's delta ``last_seq``."""
         keys = self.job_keys(job_id)
         return ("EVALSHA", self.finish_script.sha, 2, *keys, attempt, last_seq, *args)
+
+    async def notice(self, job_id: str, attempt: int, event_type: str, data: str) -> bool:
+        """A progress entry (``waiting``) of the running attempt; False when it is stale."""
+        args: list[str | int] = [attempt, event_type, data, self.retention]
+        return int(await self._notice(keys=self.job_keys(job_id), args=args)) == WRITTEN
 
     async def create(self, job_id: str, fields: dict[str, str]) -> str:
         """Create the record unless it exists: ``created``, ``exists`` or ``unqueued``."""

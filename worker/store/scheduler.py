@@ -210,6 +210,29 @@ class Scheduler:
         names = sorted(as_text(k)[2:] for k in raw if as_text(k).startswith("s:"))
         return names or None
 
+    async def ahead_of(self, job_id: str, tenant: str, upstream: str) -> int | None:
+        """How many jobs wait before this one in its tenant's queue for its upstream (None:
+        it is not there: in the stream for the next free worker, or started)."""
+        prefix = self.keys.sched(self.keys.shard_of(job_id))
+        rank: Any = await self.redis.zrank(f"{prefix}:q:{tenant}:{upstream}", job_id)
+        return None if rank is None else int(rank)
+
+    async def holding_back(self, job_id: str, upstream: str) -> str | None:
+        """What of its upstream's limits holds a waiting job back on its shard, in words
+        (None: nothing seen: it waits for a free worker or its tenant's turn)."""
+        prefix = self.keys.sched(self.keys.shard_of(job_id))
+        cool = int(await self.redis.pttl(f"{prefix}:cool:{upstream}"))
+        if cool > 0:
+            return f"upstream {upstream!r} is paused for {cool / 1000:.0f} s after a 429"
+        limits = await self.redis.hget(prefix + ":config", f"u:{upstream}")
+        concurrent = as_text(limits).split("|")[0] if limits else ""
+        if not concurrent.isdigit():
+            return None
+        in_use = int(await self.redis.zcard(f"{prefix}:permits:{upstream}"))
+        if in_use < int(concurrent):
+            return None
+        return f"a free stream of upstream {upstream!r} ({in_use} of {concurrent} at once in use)"
+
     async def counts(self) -> ShardCounts:
         """Waiting jobs per tenant and upstream and permits in use, summed over shards."""
         total = ShardCounts()

@@ -27,6 +27,7 @@ from tests.helpers.gateway_env import (
     chunks_of,
     collect,
     content_of,
+    parse_frames,
     running_gateway,
     sse_events,
 )
@@ -443,3 +444,32 @@ async def _stalled_reader(gw: GatewayEnv, job_id: str, key: str) -> socket.socke
     )
     await asyncio.get_running_loop().sock_sendall(sock, request.encode())
     return sock
+
+
+async def test_waiting_entries_are_comments_or_named_events_for_the_page(idle: GatewayEnv) -> None:
+    """A job that waited, then finished: by default its stream carries the waiting entry
+    as a comment an SDK skips; ``?progress=events`` (the page) as ``event: waiting``."""
+    async with idle.http() as http:
+        job_id = await create_job(http, chat("hi"))
+        record, events_key = idle.client.keys.job(job_id), idle.client.keys.events(job_id)
+        await idle.redis.hset(record, mapping={"status": "running", "attempt": "1"})
+        waiting = {"reason": "upstream_down", "upstream": "default", "since_ms": 1, "for_s": 2.0}
+        assert await idle.client.records.notice(job_id, 1, "waiting", json.dumps(waiting))
+        await idle.redis.xadd(
+            events_key, {"type": "delta", "attempt": "1", "data": '{"content":"x"}'}
+        )
+        done = '{"finish_reason":"stop","usage":null}'
+        await idle.redis.xadd(events_key, {"type": "done", "attempt": "1", "data": done})
+        await idle.redis.hset(record, "status", "succeeded")
+        plain = await http.get(f"/v1/jobs/{job_id}/events")
+        page = await http.get(f"/v1/jobs/{job_id}/events?progress=events")
+        bad = await http.get(f"/v1/jobs/{job_id}/events?progress=loud")
+    assert plain.status_code == page.status_code == 200
+    assert "\n: waiting {" in plain.text or plain.text.startswith(": waiting {")
+    assert [e.event for e in parse_frames(plain.text)] == ["message"] * 3  # delta, finish, [DONE]
+    named = [e for e in parse_frames(page.text) if e.event == "waiting"]
+    assert [json.loads(e.data) for e in named] == [waiting] and named[0].id == ""
+    assert [e.data for e in parse_frames(page.text) if e.event == "message"] == [
+        e.data for e in parse_frames(plain.text)
+    ]
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_progress"

@@ -392,6 +392,49 @@ def test_the_sdk_rebuilds_what_the_entries_merge_to(rows: list[Row]) -> None:
     assert sdk_read(fmt.sse_frames(CTX, rows)) == merged_reply(rows)
 
 
+WAITING = {
+    "reason": "upstream_down",
+    "upstream": "default",
+    "since_ms": 1751299200000,
+    "for_s": 12.0,
+    "retry_in_s": 4.0,
+    "detail": "connection refused by 127.0.0.1:9 (nothing listens there)",
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(delta_entries(), st.sets(st.integers(0, 12)))
+def test_waiting_entries_are_comments_the_sdk_and_event_sources_skip(
+    rows: list[Row], at: set[int]
+) -> None:
+    """Waiting entries anywhere before the terminal one: the SDK reads the same reply, an
+    SSE reader sees the same events, and each is a ``: waiting {...}`` comment line."""
+    waiting = list(rows[:-1])
+    for n, index in enumerate(sorted(at, reverse=True)):
+        waiting.insert(min(index, len(waiting)), row(f"9-{n}", "waiting", WAITING))
+    frames = fmt.sse_frames(CTX, waiting)
+    frames += fmt.sse_frames(CTX, [rows[-1]])
+    assert sdk_read(frames) == merged_reply(rows)
+    plain = fmt.sse_frames(CTX, rows)
+    assert [(e.data, e.id) for e in parse_frames(frames)] == [
+        (e.data, e.id) for e in parse_frames(plain)
+    ]
+    assert frames.count(b"\n: waiting {") + frames.startswith(b": waiting {") == len(at)
+
+
+def test_a_failure_after_waiting_is_still_a_failure_before_output() -> None:
+    from worker.gateway.core import failed_before_output
+
+    error = {"error": {"code": "upstream_timeout", "message": "job exceeded 900s"}}
+    rows = [
+        row("1-0", "waiting", WAITING),
+        row("2-0", "waiting", WAITING),
+        row("3-0", "error", error),
+    ]
+    assert failed_before_output(rows)
+    assert not failed_before_output([row("1-0", "delta", {"content": "x"}), rows[-1]])
+
+
 # -- API keys and slots ------------------------------------------------------------------
 
 

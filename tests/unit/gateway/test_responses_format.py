@@ -197,6 +197,15 @@ def test_a_reset_ends_the_void_items_and_the_next_attempt_continues_the_indexes(
     assert state.response()["output"][0]["id"] == "msg_job-1_2"
 
 
+WAITING = {"reason": "upstream_down", "upstream": "default", "since_ms": 1, "for_s": 0.0}
+
+
+def test_waiting_entries_add_no_event_and_move_no_number() -> None:
+    """The fold skips them: the same events, numbered the same, with or without them."""
+    with_waits = [row("waiting", WAITING, 90), TEXT[0], row("waiting", WAITING, 91), *TEXT[1:]]
+    assert fold(with_waits)[1] == fold(TEXT)[1]
+
+
 def test_nothing_follows_the_terminal_entry() -> None:
     state, events = fold([*TEXT, row("delta", {"content": "late"}, 7), row("done", {}, 8)])
     assert types(events)[-1] == "completed" and state.ended
@@ -291,6 +300,7 @@ ENTRIES = st.lists(
     st.one_of(
         st.tuples(st.just("delta"), DELTAS),
         st.tuples(st.just("reset"), st.just({"reason": "attempt 2 starts"})),
+        st.tuples(st.just("waiting"), st.just(WAITING)),
     ),
     max_size=12,
 )

@@ -76,8 +76,10 @@ async function send(event) {
 }
 
 function connect() {
-  source = new EventSource(state.events + "&after=" + encodeURIComponent(state.last));
+  const url = state.events + "&progress=events&after=" + encodeURIComponent(state.last);
+  source = new EventSource(url);
   source.onmessage = receive;
+  source.addEventListener("waiting", waiting);
   source.onerror = () => {
     if (!state.finished) {
       state.status = "connection lost; resuming…";
@@ -114,6 +116,16 @@ function receive(event) {
     return;
   }
   state.status = "streaming (job " + state.job + ")";
+  save();
+  render();
+}
+
+function waiting(event) {  // the job waits for its upstream (docs/events.md, waiting)
+  const data = JSON.parse(event.data);
+  const upstream = "upstream '" + data.upstream + "' ";
+  const why = data.reason === "upstream_down" ? upstream + "down" : upstream + "rate-limited";
+  state.status = "waiting: " + why + " for " + data.for_s + " s" +
+    (data.detail ? " (" + data.detail + ")" : "") + " (job " + state.job + ")";
   save();
   render();
 }
