@@ -40,6 +40,7 @@ from worker.errors import (
 )
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKey, ApiKeys, bearer
+from worker.gateway.cursors import BadCursor, resume_after
 from worker.gateway.hub import JobFeed, Row, event_hub, is_terminal
 from worker.gateway.limits import RateLimiter, Slot, StreamSlots
 from worker.gateway.streaming import EventStream, client_gone
@@ -49,7 +50,6 @@ from worker.store.redis_client import RedisClient, redis_from_settings
 log = logging.getLogger("chatstream.gateway")
 
 _JOB_ID = re.compile(JOB_ID_PATTERN)
-_ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 # EventSource reconnects after this many ms. It rides on the first event: the openai SDK
 # dispatches an event for a lone "retry:" line, with empty data it cannot parse.
@@ -419,15 +419,17 @@ def include_usage(body: dict[str, Any]) -> bool:
 
 def resume_cursor(request: Request) -> str:
     """Where a client resumes: ``Last-Event-ID`` (an EventSource reconnecting), else
-    ``?after=``, else the beginning."""
-    value = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
-    if not _ENTRY_ID.fullmatch(value):
+    ``?after=``, else the beginning; a 400 before the response starts for an id Redis
+    would refuse (worker/gateway/cursors.py)."""
+    header = request.headers.get("last-event-id")
+    value = header or request.query_params.get("after") or "0-0"
+    try:
+        return resume_after(value)
+    except BadCursor as exc:
+        name = "Last-Event-ID" if header else "after"
         raise GatewayError(
-            400,
-            "Last-Event-ID and after must be an entry id such as 1718000000000-0",
-            code="invalid_cursor",
-        )
-    return value if "-" in value else f"{value}-0"
+            400, f"{name} is not a valid cursor: {exc}", code="invalid_cursor"
+        ) from None
 
 
 def _check_chat_request(body: dict[str, Any]) -> None:
