@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from schemas.jobs import TERMINAL, JobStatus
-from schemas.requests import JOB_ID_PATTERN, ChatRequest, Priority
+from schemas.requests import JOB_ID_PATTERN, MAX_NESTING, ChatRequest, Priority, nesting_depth
 from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.errors import (
@@ -40,6 +40,7 @@ from worker.errors import (
 )
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKey, ApiKeys, bearer
+from worker.gateway.connections import Connections
 from worker.gateway.cursors import BadCursor, resume_after
 from worker.gateway.hub import JobFeed, Row, event_hub, is_terminal
 from worker.gateway.limits import RateLimiter, Slot, StreamSlots
@@ -127,7 +128,8 @@ class Gateway:
         self.redis = redis if redis is not None else redis_from_settings(settings)
         self.client = Client.from_settings(settings, self.redis)
         self.keys = self.client.keys
-        self.hub = event_hub(self.redis, self.keys)
+        self.hub = event_hub(self.redis, self.keys, max_bytes=settings.gateway_client_buffer_bytes)
+        self.connections = Connections()  # filled by the server's protocol (server.py)
         self.slots = StreamSlots(
             settings.gateway_max_streams_per_key, settings.gateway_max_connections
         )
@@ -305,7 +307,11 @@ class Gateway:
                 await self.cancel_quietly(info.job_id)
 
         return EventStream(
-            frames, headers=headers, send_timeout=self.settings.gateway_send_timeout, on_close=close
+            frames,
+            headers=headers,
+            send_timeout=self.settings.gateway_send_timeout,
+            on_close=close,
+            abort=self.connections.abort,
         )
 
     async def cancel_quietly(self, job_id: str) -> None:
@@ -350,7 +356,9 @@ class Gateway:
         if last and is_terminal(last[0]):
             return
         after = last[0][0] if last else "0-0"
-        feed = JobFeed(self.hub, self.keys, job_id, after=after, idle_seconds=60)
+        feed = JobFeed(
+            self.hub, self.keys, job_id, after=after, idle_seconds=60, drop_when_behind=False
+        )
         async for rows in feed.batches():
             if rows and is_terminal(rows[-1]):
                 return
@@ -433,6 +441,12 @@ def resume_cursor(request: Request) -> str:
 
 
 def _check_chat_request(body: dict[str, Any]) -> None:
+    if nesting_depth(body) > MAX_NESTING:
+        raise GatewayError(
+            400,
+            f"invalid request: the body is nested more than {MAX_NESTING} levels deep",
+            code="invalid_request",
+        )
     try:
         ChatRequest.model_validate(body)
     except ValidationError as exc:

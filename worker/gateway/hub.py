@@ -10,8 +10,12 @@ whole reply), one ``EventHub`` task reads every followed stream with one multi-k
   job past the client's cursor, the client reads that gap with ``XRANGE`` itself; entries
   the hub hands it at or before its cursor are dropped.
 * A slow client never holds anyone up: the hub appends to the client's own buffer and
-  never waits for it. A client whose buffer passes ``max_backlog`` entries is dropped from
-  the hub and catches up from Redis again, so memory stays bounded.
+  never waits for it. A client whose buffer would pass ``max_bytes`` (the entries waiting
+  for it and the batch it is sending; ``CHATSTREAM_GATEWAY_CLIENT_BUFFER_BYTES``) or
+  ``max_backlog`` entries is dropped from the hub, and its feed raises ClientTooSlow: the
+  client is dropped and resumes from its last event id (docs/decisions.md, 58). A feed
+  that asked to catch up instead (``drop_when_behind=False``) reads the gap from Redis.
+* Replayed history is read in pages sized to ``max_bytes`` from the entries seen so far.
 * A newly followed job wakes the hub's blocked read: an ``XADD`` to the hub's own wake
   stream (a key under the prefix, so an ACL user limited to the prefix works).
 """
@@ -39,13 +43,34 @@ log = logging.getLogger("chatstream.gateway")
 
 Row = tuple[str, dict[str, str]]
 TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
-RANGE_COUNT = 500  # entries per XRANGE page
+RANGE_COUNT = 500  # entries per XRANGE page, at most
+FIRST_GUESS_ROW_BYTES = 2_048  # a history page's first size: max_bytes / this (then measured)
 READ_COUNT = 500  # entries per stream per XREAD
 WAKE_TTL_SECONDS = 3600
 # Successive XREADs start at least this far apart. An idle hub is blocked in XREAD and
 # hands an entry on at once; a busy one gets many entries per read instead of one (each
 # read re-sends every followed key and costs a round trip): at most this much added delay.
 MIN_READ_INTERVAL = 0.005
+
+
+# what a row costs beyond its text: the tuple, the dict and the str objects (CPython, 64-bit)
+ROW_OVERHEAD = 400
+
+
+class ClientTooSlow(Exception):
+    """A live feed's client fell more than its byte bound behind: drop it (it resumes)."""
+
+    def __init__(self, waiting: int) -> None:
+        super().__init__(f"{waiting} bytes were waiting for a client that did not read them")
+        self.waiting = waiting
+
+
+def rows_size(rows: list[Row]) -> int:
+    """About how many bytes ``rows`` hold in memory."""
+    size = 0
+    for entry_id, fields in rows:
+        size += ROW_OVERHEAD + len(entry_id) + sum(len(k) + len(v) for k, v in fields.items())
+    return size
 
 
 def id_tuple(entry_id: str) -> tuple[int, int]:
@@ -103,18 +128,25 @@ def _rows(entries: Any) -> list[Row]:
 class Follower:
     """One client's place in the hub: the entries handed to it, not yet taken."""
 
-    __slots__ = ("backlog", "gap_end", "key", "overflowed", "ready")
+    __slots__ = ("backlog", "gap_end", "in_flight", "key", "overflowed", "ready", "size")
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.backlog: list[Row] = []
+        self.size = 0  # bytes of the backlog
+        self.in_flight = 0  # bytes of the batch taken last, until the client's stream wrote it
         self.ready = asyncio.Event()
         self.overflowed = False
         self.gap_end: str | None = None
 
+    @property
+    def waiting(self) -> int:
+        return self.size + self.in_flight
+
     def take(self, after: str) -> list[Row]:
         """The buffered entries after ``after``, in order."""
         rows, self.backlog = self.backlog, []
+        self.in_flight, self.size = self.size, 0
         self.ready.clear()
         if rows and id_tuple(rows[0][0]) <= id_tuple(after):
             cursor = id_tuple(after)
@@ -130,12 +162,14 @@ class EventHub:
         *,
         block_ms: int = 2_000,
         max_backlog: int = 2_000,
+        max_bytes: int = 262_144,
         min_interval: float = MIN_READ_INTERVAL,
     ) -> None:
         self.redis = redis
         self.block_ms = block_ms
         self.min_interval = min_interval
         self.max_backlog = max_backlog
+        self.max_bytes = max_bytes
         self.wake_key = keys.gateway_wake(uuid.uuid4().hex[:16])
         self._last: dict[str, str] = {}  # followed key -> the last entry id the hub read
         self._command = ReadCommand(READ_COUNT, block_ms)
@@ -233,14 +267,26 @@ class EventHub:
     def _deliver(self, key: str, rows: list[Row]) -> None:
         self._last[key] = rows[-1][0]
         self._command.set(key, rows[-1][0])
+        size = rows_size(rows)  # the rows are shared by the job's followers
         for follower in list(self._followers[key]):
-            if len(follower.backlog) + len(rows) > self.max_backlog:
+            if self._too_far_behind(follower, len(rows), size):
                 follower.overflowed = True
+                follower.size = follower.waiting + size  # (what it would have had waiting)
                 follower.backlog = []
                 self.unfollow(follower)
             else:
                 follower.backlog.extend(rows)
+                follower.size += size
             follower.ready.set()
+
+    def _too_far_behind(self, follower: Follower, count: int, size: int) -> bool:
+        """One read's entries are always handed on; beyond that, the bounds hold."""
+        if not (follower.backlog or follower.in_flight):
+            return False
+        return (
+            len(follower.backlog) + count > self.max_backlog
+            or follower.waiting + size > self.max_bytes
+        )
 
     def _wake(self) -> None:
         self._changed.set()
@@ -324,12 +370,11 @@ class ClusterEventHub(EventHub):
         await super().close()
 
 
-def event_hub(redis: RedisClient, keys: Keys) -> EventHub:
+def event_hub(redis: RedisClient, keys: Keys, *, max_bytes: int = 262_144) -> EventHub:
     """The hub for this deployment: one multi-key reader, or one reader per job on a
-    Cluster."""
-    return (
-        ClusterEventHub(redis, keys) if isinstance(redis, RedisCluster) else EventHub(redis, keys)
-    )
+    Cluster. ``max_bytes``: what may wait for one client."""
+    kind = ClusterEventHub if isinstance(redis, RedisCluster) else EventHub
+    return kind(redis, keys, max_bytes=max_bytes)
 
 
 class JobFeed:
@@ -350,6 +395,7 @@ class JobFeed:
         after: str = "0-0",
         ended: bool = False,
         idle_seconds: float = 15.0,
+        drop_when_behind: bool = True,
     ) -> None:
         self.hub = hub
         self.redis = hub.redis
@@ -359,6 +405,8 @@ class JobFeed:
         self.cursor = after
         self.ended = ended
         self.idle_seconds = idle_seconds
+        self.drop_when_behind = drop_when_behind
+        self.page = max(1, min(RANGE_COUNT, hub.max_bytes // FIRST_GUESS_ROW_BYTES))
 
     async def batches(self) -> AsyncGenerator[list[Row], None]:
         while True:
@@ -376,20 +424,25 @@ class JobFeed:
                         return
             finally:
                 self.hub.unfollow(follower)
-            # the follower overflowed (this client fell behind): catch up from Redis
+            if self.drop_when_behind:  # the follower overflowed: this client fell behind
+                raise ClientTooSlow(follower.waiting)
+            # (else catch up from Redis)
 
     async def _history(self, until: str = "+") -> AsyncIterator[list[Row]]:
         """Every entry after the cursor (up to ``until``), in pages; stops at a terminal one."""
         while True:
+            count = self.page
             rows: Any = await self.redis.xrange(
-                self.key, min=f"({self.cursor}", max=until, count=RANGE_COUNT
+                self.key, min=f"({self.cursor}", max=until, count=count
             )
             if not rows:
                 return
             rows = _through_terminal(rows)
             self.cursor = rows[-1][0]
+            per_row = rows_size(rows) // len(rows)  # the next page: about max_bytes
+            self.page = max(1, min(RANGE_COUNT, self.hub.max_bytes // per_row))
             yield rows
-            if len(rows) < RANGE_COUNT or is_terminal(rows[-1]):
+            if len(rows) < count or is_terminal(rows[-1]):
                 return
 
     async def _live(self, follower: Follower) -> AsyncIterator[list[Row]]:
@@ -412,6 +465,7 @@ class JobFeed:
                 rows = _through_terminal(rows)
                 self.cursor = rows[-1][0]
                 yield rows
+            follower.in_flight = 0  # the client's stream wrote them (or they were none)
 
     async def _check_record(self) -> None:
         if not await self.redis.exists(self.record_key):

@@ -3,17 +3,22 @@
 ``EventStream`` writes frames as its source yields them and watches the connection at the
 same time: it stops (and closes the source, which stops following the job) as soon as the
 client goes away, or when the client takes no bytes for ``send_timeout`` seconds, so a
-stalled client cannot hold a connection slot forever. ``on_close(client_gone)`` runs
-last, whatever happened.
+stalled client cannot hold a connection slot forever. A source that raises ClientTooSlow
+(its client fell more than its byte bound behind) ends it too. Both times the connection
+is aborted, so what it had not sent is freed at once (a closed one would keep it until the
+client reads). ``on_close(client_gone)`` runs last, whatever happened.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from starlette.types import Receive, Scope, Send
+
+from worker.gateway.hub import ClientTooSlow
 
 log = logging.getLogger("chatstream.gateway")
 
@@ -39,11 +44,13 @@ class EventStream:
         headers: dict[str, str],
         send_timeout: float,
         on_close: Callable[[bool], Awaitable[None]],
+        abort: Callable[[Scope], bool] | None = None,
     ) -> None:
         self.frames = frames
         self.headers = {**SSE_HEADERS, **headers}
         self.send_timeout = send_timeout
         self.on_close = on_close
+        self.abort = abort
         self._sending_since: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -51,12 +58,14 @@ class EventStream:
         try:
             raw = [(k.encode(), v.encode()) for k, v in self.headers.items()]
             await send({"type": "http.response.start", "status": 200, "headers": raw})
-            gone = await self._stream(receive, send)
+            gone, drop = await self._stream(receive, send)
+            if drop:
+                await self._drop(scope, receive)
         finally:
             await self.on_close(gone)
 
-    async def _stream(self, receive: Receive, send: Send) -> bool:
-        """Writes the frames; True when the client went away (or stalled) first."""
+    async def _stream(self, receive: Receive, send: Send) -> tuple[bool, bool]:
+        """Writes the frames; (the client went away or stalled first, drop the connection)."""
         pump = asyncio.create_task(self._pump(send))
         watch = asyncio.create_task(client_gone(receive))
         stall = asyncio.create_task(self._stalled())
@@ -66,14 +75,31 @@ class EventStream:
             for task in (pump, watch, stall):
                 task.cancel()
             await asyncio.gather(pump, watch, stall, return_exceptions=True)
-        if any(task.done() and not task.cancelled() for task in (watch, stall)):
-            return True
+        if watch.done() and not watch.cancelled():
+            return True, False
+        if stall.done() and not stall.cancelled():
+            log.info("gateway: dropped an event stream whose client took no bytes for %gs",
+                     self.send_timeout)  # fmt: skip
+            return True, True
         error = None if pump.cancelled() else pump.exception()
         if isinstance(error, OSError):  # gone while we wrote
-            return True
+            return True, False
+        if isinstance(error, ClientTooSlow):
+            log.info("gateway: dropped a client that fell behind: %s (it resumes from its "
+                     "last event id)", error)  # fmt: skip
+            return False, True
         if error is not None:
             log.error("gateway: an event stream failed: %r", error, exc_info=error)
-        return False
+        return False, False
+
+    async def _drop(self, scope: Scope, receive: Receive) -> None:
+        """Abort the connection (its unsent bytes are freed) and wait until the server
+        noticed, so the response does not end as one left incomplete."""
+        if self.abort is None or not self.abort(scope):
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await client_gone(receive)
 
     async def _pump(self, send: Send) -> None:
         loop = asyncio.get_running_loop()
