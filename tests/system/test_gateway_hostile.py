@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 import httpx
 
 from schemas.requests import MAX_NESTING
-from tests.helpers.checks import until_serving
+from tests.helpers.checks import eventually, until_serving
 from tests.helpers.fleet import Fleet
 from tests.helpers.gateway_env import KEY, chunks_of, content_of, parse_frames
 from tests.helpers.harness import MOCK, chat
@@ -110,7 +111,7 @@ async def test_hostile_cursors_get_400_and_valid_ones_a_whole_stream(
         for bad in HOSTILE_IDS:
             quoted = httpx.QueryParams({"after": bad})
             assert_error(await http.get(f"{events}?{quoted}"), 400, "invalid_cursor")
-            response = await http.get(events, headers={"last-event-id": bad.encode()})
+            response = await http.get(events, headers={b"last-event-id": bad.encode()})
             assert_error(response, 400, "invalid_cursor")
         whole = await http.get(events)
         assert whole.status_code == 200
@@ -181,3 +182,136 @@ async def test_bodies_nested_deeper_than_a_worker_runs_get_400(
         at_bound = await http.post("/v1/chat/completions", json=chat_nested(MAX_NESTING))
         assert at_bound.status_code == 200, at_bound.text  # the worker ran it
         assert at_bound.json()["choices"][0]["message"]["content"]
+
+
+# -- request heads that trickle in ------------------------------------------------------------
+
+HEAD = b"GET /healthz HTTP/1.1\r\nHost: gateway\r\nUser-Agent: a-slow-one\r\n\r\n"
+
+
+async def trickle(port: int, *, first: bytes = b"", every: float = 0.2) -> bool:
+    """Send ``first`` (whole requests, answered first), then a request head a byte at a time;
+    True when the gateway closed the connection before the head was complete."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        if first:
+            writer.write(first)
+            await reader.readuntil(b'"status":"ok"')  # the whole request was answered
+        closed = asyncio.create_task(until_closed(reader))
+        for byte in HEAD[:-1]:  # never the last byte: this head is never complete
+            if closed.done():
+                return True
+            writer.write(bytes([byte]))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            await asyncio.sleep(every)
+        return closed.done()
+    finally:
+        writer.close()
+
+
+async def until_closed(reader: asyncio.StreamReader) -> None:
+    with contextlib.suppress(ConnectionError):
+        while await reader.read(4096):
+            pass
+
+
+async def test_request_heads_that_trickle_in_are_closed_and_others_are_served(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # 70 bytes a byte per 0.2 s: a head would take 14 s; the bound is 1 s
+    async with gateway_process(fleet, tmp_path, gateway_head_timeout=1.0) as gateway:
+        keep_alive = b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n"
+        slow = [asyncio.create_task(trickle(gateway.port)) for _ in range(50)]
+        slow.append(asyncio.create_task(trickle(gateway.port, first=keep_alive)))
+        async with gateway.http() as http:
+            job_id = await finished_job(http)  # served while they trickle
+            answers = await asyncio.gather(*(http.get(f"/v1/jobs/{job_id}") for _ in range(20)))
+            assert [a.status_code for a in answers] == [200] * 20
+            assert await asyncio.gather(*slow) == [True] * 51
+            health = (await http.get("/healthz")).json()
+        assert health["heads_timed_out"] >= 51
+
+
+# -- a client that stops reading --------------------------------------------------------------
+
+BIG = {"tokens": 4_000, "words": "x" * 2_000}  # an 8 MB reply
+
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def open_events(port: int, path: str, last_id: str | None = None) -> Stream:
+    """A raw connection with a small receive buffer, the request sent, the head read."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=2**24)
+    resume = f"Last-Event-ID: {last_id}\r\n" if last_id else ""
+    writer.write(
+        f"GET {path} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {KEY}\r\n{resume}\r\n"
+        .encode()
+    )  # fmt: skip
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return reader, writer
+
+
+def sse_text(chunked: bytes) -> str:
+    """The body of a chunked response, what arrived of it (a cut chunk included)."""
+    out, rest = bytearray(), chunked
+    while rest:
+        size_line, sep, rest = rest.partition(b"\r\n")
+        if not sep or not size_line:
+            break
+        size = int(size_line, 16)
+        out += rest[:size]
+        rest = rest[size + 2 :]
+    return out.decode(errors="replace")
+
+
+async def read_until_closed(stream: Stream) -> bytes:
+    reader, writer = stream
+    data = bytearray()
+    with contextlib.suppress(ConnectionError):
+        while chunk := await reader.read(1 << 16):
+            data += chunk
+    writer.close()
+    return bytes(data)
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_resumes(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    async with (
+        gateway_process(fleet, tmp_path, gateway_client_buffer_bytes=65_536) as gateway,
+        gateway.http() as http,
+    ):
+        accepted = await http.post(
+            "/v1/chat/completions", json=chat("big", **BIG), headers={"prefer": "respond-async"}
+        )
+        assert accepted.status_code == 202, accepted.text
+        job_id = accepted.json()["id"]
+        stream = await open_events(gateway.port, f"/v1/jobs/{job_id}/events")
+        # it reads nothing more while the reply is written: the gateway lets it go
+        await eventually(lambda: dropped(gateway.log), 60, every=0.2)
+        before = parse_frames(complete_events(sse_text(await read_until_closed(stream))))
+        assert before[-1].data != "[DONE]"  # it was dropped before the end
+        last_id = [e.id for e in before if e.id][-1]
+        resumed = await read_until_closed(
+            await open_events(gateway.port, f"/v1/jobs/{job_id}/events", last_id)
+        )
+        after = parse_frames(sse_text(resumed))
+        assert after[-1].data == "[DONE]"
+        content = content_of(chunks_of(before)) + content_of(chunks_of(after))
+        assert content == expected_reply(chat("big", **BIG), MOCK)
+
+
+async def dropped(log: Path) -> bool:
+    return "dropped a client that fell behind" in await asyncio.to_thread(log.read_text)
+
+
+def complete_events(text: str) -> str:
+    """The events that arrived whole, up to the last one with an id (a resume point)."""
+    return text[: text.rfind("\n\n") + 2]

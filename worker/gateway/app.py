@@ -192,7 +192,7 @@ async def job_events(request: Request) -> EventStream:
         done = info.status == JobStatus.SUCCEEDED.value
         frames = openai_frames(info.context(), feed.batches(), done_if_empty=done)
     headers = {"x-chatstream-job-id": job_id}
-    return gateway.event_stream(frames, info, headers, slot, cancel=cancel)
+    return gateway.event_stream(frames, info, headers, slot, cancel=cancel, feed=feed)
 
 
 def _format(request: Request) -> str:

@@ -40,10 +40,10 @@ class Connections:
     """The open connections' transports by ``(server, client)`` address."""
 
     def __init__(self) -> None:
-        self._open: dict[Address, asyncio.BaseTransport] = {}
+        self._open: dict[Address, asyncio.Transport] = {}
         self.heads_timed_out = 0
 
-    def add(self, address: Address, transport: asyncio.BaseTransport) -> None:
+    def add(self, address: Address, transport: asyncio.Transport) -> None:
         self._open[address] = transport
 
     def discard(self, address: Address) -> None:
@@ -57,7 +57,7 @@ class Connections:
         False when it is not known (closed already)."""
         server, client = scope.get("server"), scope.get("client")
         transport = self._open.get((_address(server), _address(client)))
-        if transport is None or not isinstance(transport, asyncio.WriteTransport):
+        if transport is None or transport.is_closing():
             return False
         transport.abort()
         return True

@@ -290,7 +290,7 @@ class Gateway:
             last = first[-1][1]
             return job_error_response(json.loads(last.get("data") or "{}"), last["type"], headers)
         frames = openai_frames(ctx, batches, first=first)
-        return self.event_stream(frames, info, headers, slot, cancel=cancel)
+        return self.event_stream(frames, info, headers, slot, cancel=cancel, feed=feed)
 
     def event_stream(
         self,
@@ -300,7 +300,11 @@ class Gateway:
         slot: Slot,
         *,
         cancel: bool = False,
+        feed: JobFeed | None = None,
     ) -> EventStream:
+        """The SSE response of ``frames``; ``feed``: the live feed they come from (its client
+        is dropped when it falls behind)."""
+
         async def close(client_gone: bool) -> None:
             slot.release()
             if client_gone and cancel:
@@ -312,6 +316,7 @@ class Gateway:
             send_timeout=self.settings.gateway_send_timeout,
             on_close=close,
             abort=self.connections.abort,
+            behind=None if feed is None else feed.behind,
         )
 
     async def cancel_quietly(self, job_id: str) -> None:

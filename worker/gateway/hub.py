@@ -57,6 +57,23 @@ MIN_READ_INTERVAL = 0.005
 ROW_OVERHEAD = 400
 
 
+class Behind:
+    """Set when a live feed's client fell more than its byte bound behind. The stream
+    waits on it beside its writes: a client that reads nothing blocks the write, so the
+    feed alone would never get to raise ClientTooSlow."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.waiting = 0
+
+    def fell_behind(self, waiting: int) -> None:
+        self.waiting = waiting
+        self.event.set()
+
+    def error(self) -> ClientTooSlow:
+        return ClientTooSlow(self.waiting)
+
+
 class ClientTooSlow(Exception):
     """A live feed's client fell more than its byte bound behind: drop it (it resumes)."""
 
@@ -128,7 +145,9 @@ def _rows(entries: Any) -> list[Row]:
 class Follower:
     """One client's place in the hub: the entries handed to it, not yet taken."""
 
-    __slots__ = ("backlog", "gap_end", "in_flight", "key", "overflowed", "ready", "size")
+    __slots__ = (
+        "backlog", "behind", "gap_end", "in_flight", "key", "overflowed", "ready", "size"
+    )  # fmt: skip
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -137,6 +156,7 @@ class Follower:
         self.in_flight = 0  # bytes of the batch taken last, until the client's stream wrote it
         self.ready = asyncio.Event()
         self.overflowed = False
+        self.behind: Behind | None = None  # told when it overflows
         self.gap_end: str | None = None
 
     @property
@@ -274,6 +294,8 @@ class EventHub:
                 follower.size = follower.waiting + size  # (what it would have had waiting)
                 follower.backlog = []
                 self.unfollow(follower)
+                if follower.behind is not None:
+                    follower.behind.fell_behind(follower.size)
             else:
                 follower.backlog.extend(rows)
                 follower.size += size
@@ -406,6 +428,7 @@ class JobFeed:
         self.ended = ended
         self.idle_seconds = idle_seconds
         self.drop_when_behind = drop_when_behind
+        self.behind = Behind()
         self.page = max(1, min(RANGE_COUNT, hub.max_bytes // FIRST_GUESS_ROW_BYTES))
 
     async def batches(self) -> AsyncGenerator[list[Row], None]:
@@ -417,6 +440,8 @@ class JobFeed:
             if self.ended:
                 return
             follower = self.hub.follow(self.key, self.cursor)
+            if self.drop_when_behind:
+                follower.behind = self.behind
             try:
                 async for rows in self._live(follower):
                     yield rows

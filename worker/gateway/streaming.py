@@ -18,10 +18,15 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from starlette.types import Receive, Scope, Send
 
-from worker.gateway.hub import ClientTooSlow
+from worker.gateway.hub import Behind, ClientTooSlow
 
 log = logging.getLogger("chatstream.gateway")
 
+
+# A frame is written in pieces of at most this many bytes: uvicorn waits before each write
+# until the connection's buffer is below its low-water mark, so a client that stops reading
+# leaves at most its high-water mark (64 KiB) and one piece in the transport.
+PIECE_BYTES = 65_536
 
 SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
@@ -45,12 +50,14 @@ class EventStream:
         send_timeout: float,
         on_close: Callable[[bool], Awaitable[None]],
         abort: Callable[[Scope], bool] | None = None,
+        behind: Behind | None = None,
     ) -> None:
         self.frames = frames
         self.headers = {**SSE_HEADERS, **headers}
         self.send_timeout = send_timeout
         self.on_close = on_close
         self.abort = abort
+        self.behind = behind
         self._sending_since: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,14 +76,18 @@ class EventStream:
         pump = asyncio.create_task(self._pump(send))
         watch = asyncio.create_task(client_gone(receive))
         stall = asyncio.create_task(self._stalled())
+        behind = asyncio.create_task(self._fell_behind())
+        tasks = (pump, watch, stall, behind)
         try:
-            await asyncio.wait((pump, watch, stall), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (pump, watch, stall):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(pump, watch, stall, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
         if watch.done() and not watch.cancelled():
             return True, False
+        if behind.done() and not behind.cancelled() and self.behind is not None:
+            return self._dropped(self.behind.error())
         if stall.done() and not stall.cancelled():
             log.info("gateway: dropped an event stream whose client took no bytes for %gs",
                      self.send_timeout)  # fmt: skip
@@ -85,12 +96,21 @@ class EventStream:
         if isinstance(error, OSError):  # gone while we wrote
             return True, False
         if isinstance(error, ClientTooSlow):
-            log.info("gateway: dropped a client that fell behind: %s (it resumes from its "
-                     "last event id)", error)  # fmt: skip
-            return False, True
+            return self._dropped(error)
         if error is not None:
             log.error("gateway: an event stream failed: %r", error, exc_info=error)
         return False, False
+
+    def _dropped(self, error: ClientTooSlow) -> tuple[bool, bool]:
+        log.info("gateway: dropped a client that fell behind: %s (it resumes from its last "
+                 "event id)", error)  # fmt: skip
+        return False, True
+
+    async def _fell_behind(self) -> None:
+        if self.behind is None:
+            await asyncio.Event().wait()  # never
+        else:
+            await self.behind.event.wait()
 
     async def _drop(self, scope: Scope, receive: Receive) -> None:
         """Abort the connection (its unsent bytes are freed) and wait until the server
@@ -105,9 +125,13 @@ class EventStream:
         loop = asyncio.get_running_loop()
         try:
             async for frame in self.frames:
-                self._sending_since = loop.time()
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
-                self._sending_since = None
+                for start in range(0, len(frame), PIECE_BYTES):
+                    piece = (
+                        frame if len(frame) <= PIECE_BYTES else frame[start : start + PIECE_BYTES]
+                    )
+                    self._sending_since = loop.time()
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    self._sending_since = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.frames.aclose()
