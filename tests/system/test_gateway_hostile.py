@@ -235,7 +235,8 @@ async def test_request_heads_that_trickle_in_are_closed_and_others_are_served(
 
 # -- a client that stops reading --------------------------------------------------------------
 
-BIG = {"tokens": 4_000, "words": "x" * 2_000}  # an 8 MB reply
+# an 8 MB reply, paced (4,000 tokens/s): entries of a few tokens, each far below the bound
+BIG = {"tokens": 4_000, "words": "x" * 2_000, "rate": 4_000.0}
 
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -247,7 +248,8 @@ async def open_events(port: int, path: str, last_id: str | None = None) -> Strea
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    reader, writer = await asyncio.open_connection(sock=sock, limit=2**24)
+    # (a StreamReader reads ahead into its buffer until twice its limit: keep that small)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=16_384)
     resume = f"Last-Event-ID: {last_id}\r\n" if last_id else ""
     writer.write(
         f"GET {path} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {KEY}\r\n{resume}\r\n"

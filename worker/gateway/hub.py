@@ -10,11 +10,13 @@ whole reply), one ``EventHub`` task reads every followed stream with one multi-k
   job past the client's cursor, the client reads that gap with ``XRANGE`` itself; entries
   the hub hands it at or before its cursor are dropped.
 * A slow client never holds anyone up: the hub appends to the client's own buffer and
-  never waits for it. A client whose buffer would pass ``max_bytes`` (the entries waiting
-  for it and the batch it is sending; ``CHATSTREAM_GATEWAY_CLIENT_BUFFER_BYTES``) or
-  ``max_backlog`` entries is dropped from the hub, and its feed raises ClientTooSlow: the
-  client is dropped and resumes from its last event id (docs/decisions.md, 58). A feed
-  that asked to catch up instead (``drop_when_behind=False``) reads the gap from Redis.
+  never waits for it, and holds at most ``max_bytes`` (``CHATSTREAM_GATEWAY_CLIENT_BUFFER_
+  BYTES``) and ``max_backlog`` entries for it, counting the batch its stream is writing.
+  A client with entries waiting that would pass them is dropped: its feed raises
+  ClientTooSlow and the client resumes from its last event id (docs/decisions.md, 58; a
+  feed made with ``drop_when_behind=False`` reads the gap from Redis instead). A client
+  with nothing waiting whose one read is larger gets the first entries within the bounds
+  and reads the rest from Redis, in pages, at its own pace, before it follows again.
 * Replayed history is read in pages sized to ``max_bytes`` from the entries seen so far.
 * A newly followed job wakes the hub's blocked read: an ``XADD`` to the hub's own wake
   stream (a key under the prefix, so an ACL user limited to the prefix works).
@@ -113,11 +115,19 @@ class ReadCommand:
     """
 
     def __init__(self, count: int, block_ms: int) -> None:
-        self._options = b"".join(
-            _bulk(part) for part in ("XREAD", "COUNT", str(count), "BLOCK", str(block_ms))
-        )
+        self.block_ms = block_ms
+        self.count = 0
+        self._options = b""
+        self.set_count(count)
         self._keys: dict[str, bytes] = {}  # both dicts share one order: keys and ids align
         self._ids: dict[str, bytes] = {}
+
+    def set_count(self, count: int) -> None:
+        """Entries per stream per read, at most."""
+        if count != self.count:
+            self.count = count
+            parts = ("XREAD", "COUNT", str(count), "BLOCK", str(self.block_ms))
+            self._options = b"".join(_bulk(part) for part in parts)
 
     def set(self, key: str, entry_id: str) -> None:
         if key not in self._keys:
@@ -146,7 +156,8 @@ class Follower:
     """One client's place in the hub: the entries handed to it, not yet taken."""
 
     __slots__ = (
-        "backlog", "behind", "gap_end", "in_flight", "key", "overflowed", "ready", "size"
+        "backlog", "behind", "dropped", "gap_end", "in_flight", "key", "overflowed", "ready",
+        "size",
     )  # fmt: skip
 
     def __init__(self, key: str) -> None:
@@ -155,8 +166,9 @@ class Follower:
         self.size = 0  # bytes of the backlog
         self.in_flight = 0  # bytes of the batch taken last, until the client's stream wrote it
         self.ready = asyncio.Event()
-        self.overflowed = False
-        self.behind: Behind | None = None  # told when it overflows
+        self.overflowed = False  # the hub hands it nothing more
+        self.dropped = False  # ... because its client is not keeping up
+        self.behind: Behind | None = None  # told when it is dropped
         self.gap_end: str | None = None
 
     @property
@@ -192,7 +204,8 @@ class EventHub:
         self.max_bytes = max_bytes
         self.wake_key = keys.gateway_wake(uuid.uuid4().hex[:16])
         self._last: dict[str, str] = {}  # followed key -> the last entry id the hub read
-        self._command = ReadCommand(READ_COUNT, block_ms)
+        self._row_bytes = float(FIRST_GUESS_ROW_BYTES)  # what an entry costs, lately
+        self._command = ReadCommand(self.read_count(), block_ms)
         self._command.set(self.wake_key, "0-0")
         self._connection: Any = None  # the hub's own: its XREAD blocks
         self._followers: dict[str, set[Follower]] = {}
@@ -264,6 +277,12 @@ class EventHub:
                 self._command.set(key, entries[-1][0])
             elif entries and key in before and self._last.get(key) == before[key]:
                 self._deliver(key, _rows(entries))  # (unless unfollowed or re-followed)
+        self._command.set_count(self.read_count())
+
+    def read_count(self) -> int:
+        """Entries per stream per read: about ``max_bytes`` of the entries seen lately (a
+        client takes no more from one read; more would be read again from Redis)."""
+        return max(1, min(READ_COUNT, self.max_bytes // max(1, int(self._row_bytes))))
 
     async def _xread(self, packed: bytes) -> Any:
         """One XREAD on the hub's own connection (made like the pool's, reconnected after
@@ -288,27 +307,41 @@ class EventHub:
         self._last[key] = rows[-1][0]
         self._command.set(key, rows[-1][0])
         size = rows_size(rows)  # the rows are shared by the job's followers
+        self._row_bytes += (size / len(rows) - self._row_bytes) / 8  # a moving average
         for follower in list(self._followers[key]):
-            if self._too_far_behind(follower, len(rows), size):
-                follower.overflowed = True
-                follower.size = follower.waiting + size  # (what it would have had waiting)
-                follower.backlog = []
-                self.unfollow(follower)
-                if follower.behind is not None:
-                    follower.behind.fell_behind(follower.size)
-            else:
+            if follower.waiting + size <= self.max_bytes and (
+                len(follower.backlog) + len(rows) <= self.max_backlog
+            ):
                 follower.backlog.extend(rows)
                 follower.size += size
+            elif follower.backlog or follower.in_flight:
+                self._drop(follower, size)  # it is not keeping up: behind
+            else:
+                self._hand_part(follower, rows)  # it keeps up, but this read is too large
             follower.ready.set()
 
-    def _too_far_behind(self, follower: Follower, count: int, size: int) -> bool:
-        """One read's entries are always handed on; beyond that, the bounds hold."""
-        if not (follower.backlog or follower.in_flight):
-            return False
-        return (
-            len(follower.backlog) + count > self.max_backlog
-            or follower.waiting + size > self.max_bytes
-        )
+    def _drop(self, follower: Follower, size: int) -> None:
+        follower.overflowed = follower.dropped = True
+        follower.size = follower.waiting + size  # (what it would have had waiting)
+        follower.backlog = []
+        self.unfollow(follower)
+        if follower.behind is not None:
+            follower.behind.fell_behind(follower.size)
+
+    def _hand_part(self, follower: Follower, rows: list[Row]) -> None:
+        """The first rows within the bounds (one at least), and no more from the hub: the
+        feed reads the rest from Redis, at its client's pace, then follows again."""
+        taken: list[Row] = []
+        size = 0
+        for row in rows:
+            row_size = rows_size([row])
+            if taken and (size + row_size > self.max_bytes or len(taken) >= self.max_backlog):
+                break
+            taken.append(row)
+            size += row_size
+        follower.backlog, follower.size = taken, size
+        follower.overflowed = True
+        self.unfollow(follower)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -369,7 +402,7 @@ class ClusterEventHub(EventHub):
         while (cursor := self._last.get(key)) is not None:
             try:
                 reply: Any = await self.redis.xread(
-                    {key: cursor}, count=READ_COUNT, block=self.block_ms
+                    {key: cursor}, count=self.read_count(), block=self.block_ms
                 )
                 failures = 0
             except RedisError as exc:
@@ -449,7 +482,7 @@ class JobFeed:
                         return
             finally:
                 self.hub.unfollow(follower)
-            if self.drop_when_behind:  # the follower overflowed: this client fell behind
+            if follower.dropped and self.drop_when_behind:  # this client fell behind
                 raise ClientTooSlow(follower.waiting)
             # (else catch up from Redis)
 
@@ -476,7 +509,7 @@ class JobFeed:
                 yield rows
                 if is_terminal(rows[-1]):
                     return
-        while not follower.overflowed:
+        while follower.backlog or not follower.overflowed:
             if not follower.backlog:
                 try:
                     async with asyncio.timeout(self.idle_seconds):
