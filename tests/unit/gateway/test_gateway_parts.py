@@ -703,6 +703,27 @@ async def test_a_client_that_reads_is_not_dropped_by_one_large_read(
     assert [len(row[1]["data"]) for row in got] == [len(json.dumps({"content": "c" * 80_000})), 2]
 
 
+async def test_a_reading_client_gets_a_read_larger_than_its_bound_in_pages(
+    redis: Redis, prefix: str, small_hub: EventHub
+) -> None:
+    """Ten 4 KB entries in one hub read (one transaction) for a client with nothing
+    waiting: it gets the first within its 16 KB, the rest from Redis, in order, undropped."""
+    keys = Keys(prefix)
+    key = keys.events("j")
+    await redis.hset(keys.job("j"), "status", "running")
+    rows = JobFeed(small_hub, keys, "j", idle_seconds=0.1).batches()
+    reading = asyncio.create_task(read_rest(rows))
+    await eventually_async(lambda: small_hub.followed == 1)
+    async with redis.pipeline(transaction=True) as pipe:
+        for i in range(10):
+            pipe.xadd(key, {"type": "delta", "attempt": "1", "data": f"{i:04d}" + "e" * 4000})
+        pipe.xadd(key, {"type": "done", "attempt": "1", "data": "{}"})
+        await pipe.execute()
+    got = await reading
+    assert [row[1]["data"][:4] for row in got[:-1]] == [f"{i:04d}" for i in range(10)]
+    assert got[-1][1]["type"] == "done"
+
+
 async def read_rest(rows: AsyncGenerator[list[Row], None]) -> list[Row]:
     got: list[Row] = []
     async for batch in rows:
