@@ -10,6 +10,35 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 Priority = Literal["high", "normal", "low"]
 PRIORITY_RANK: dict[str, int] = {"high": 0, "normal": 1, "low": 2}
+# How deeply a request (and a job's metadata) may nest, in JSON levels: the body object is
+# level 1, a message's ``content`` list level 4. A worker reads the request back from the
+# record with pydantic_core's JSON parser, which stops at 200 levels, and the record's
+# JSON is written by pydantic, which stops near 255: at 128 both have room to spare, and
+# real requests (tool schemas included) stay far below it (docs/decisions.md, 51).
+MAX_NESTING = 128
+
+
+def nesting_depth(value: Any, stop_after: int = MAX_NESTING) -> int:
+    """How many JSON levels ``value`` has (a scalar 0, ``[]`` and ``{}`` 1, a model like the
+    dict of its fields); counted without recursion and only up to ``stop_after + 1``, so a
+    hostile value costs no more than a walk to that depth."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, BaseModel):
+            item = dict(item)  # its fields and extras
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > stop_after:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 class ChatMessage(BaseModel):

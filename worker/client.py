@@ -19,7 +19,14 @@ from pydantic import ValidationError
 
 from schemas.events import StreamEvent
 from schemas.jobs import TERMINAL, JobRecord, JobStatus
-from schemas.requests import PRIORITY_RANK, ChatRequest, JobSpec, Priority
+from schemas.requests import (
+    MAX_NESTING,
+    PRIORITY_RANK,
+    ChatRequest,
+    JobSpec,
+    Priority,
+    nesting_depth,
+)
 from worker.aio import cancel_and_wait
 from worker.errors import InvalidJobError, JobNotFoundError, NotReplicatedError, QueueFullError
 from worker.settings import Settings, load_settings
@@ -252,6 +259,8 @@ class Client:
         tenant: str = "default",
         priority: Priority = "normal",
     ) -> JobSpec:
+        _check_nesting("request", request)
+        _check_nesting("metadata", metadata)
         try:
             return JobSpec.model_validate(
                 {
@@ -482,6 +491,16 @@ def _problem(exc: Exception) -> str:
         where = ".".join(str(part) for part in err["loc"]) or "record"
         return f"{where}: {err['msg']}"
     return f"a JSON field does not parse: {str(exc)[:100]}"
+
+
+def _check_nesting(what: str, value: Any) -> None:
+    """InvalidJobError, before anything is written, for a value nested deeper than a worker
+    can run (``schemas.requests.MAX_NESTING``)."""
+    if nesting_depth(value) > MAX_NESTING:
+        raise InvalidJobError(
+            f"invalid job: {what} is nested more than {MAX_NESTING} levels deep "
+            "(JSON objects and arrays inside each other)"
+        )
 
 
 def new_job_id() -> str:

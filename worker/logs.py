@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,18 +80,31 @@ class ContextFilter(logging.Filter):
 
 
 class RedactFilter(logging.Filter):
-    """Replaces every configured secret in the message and traceback text with ``***``."""
+    """Replaces every configured secret in the message and traceback text with ``***``.
+
+    Only whole credentials are masked: a secret whose first (last) character is a letter,
+    digit or ``_`` matches only where the text's character before (after) it is not one, so
+    a short key (``x``) masks ``Bearer x`` but leaves ``prefix=cs`` alone, where plain
+    substring replacement wrote ``prefi***=cs``. (A one-letter key still masks that letter
+    where it stands alone, a host name ``x.example`` say: keys that short are for tests.)
+    """
 
     def __init__(self, secrets: list[str]) -> None:
         super().__init__()
+        self.secrets = secrets
+
+    @property
+    def secrets(self) -> list[str]:
+        return self._secrets
+
+    @secrets.setter
+    def secrets(self, values: list[str]) -> None:
         # longest first, so a secret containing another one is masked whole
-        self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+        self._secrets = sorted({s for s in values if s}, key=len, reverse=True)
+        self._pattern = _whole_credentials(self._secrets)
 
     def redact(self, text: str) -> str:
-        for secret in self.secrets:
-            if secret in text:
-                text = text.replace(secret, MASK)
-        return text
+        return text if self._pattern is None else self._pattern.sub(MASK, text)
 
     def redact_value(self, value: Any) -> Any:
         """``value`` with every string in it (nested in dicts and lists too) redacted."""
@@ -103,7 +117,7 @@ class RedactFilter(logging.Filter):
         return value
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.secrets:
+        if self._pattern is None:
             return True
         try:
             message = record.getMessage()
@@ -120,6 +134,22 @@ class RedactFilter(logging.Filter):
         if record.exc_text:
             record.exc_text = self.redact(record.exc_text)
         return True
+
+
+_WORD = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")
+
+
+def _whole_credentials(secrets: list[str]) -> re.Pattern[str] | None:
+    """One pattern for every secret, each only where it is not part of a longer word."""
+    if not secrets:
+        return None
+    alternatives = [
+        ("(?<![0-9A-Za-z_])" if secret[0] in _WORD else "")
+        + re.escape(secret)
+        + ("(?![0-9A-Za-z_])" if secret[-1] in _WORD else "")
+        for secret in secrets
+    ]
+    return re.compile("|".join(alternatives))
 
 
 def secrets_of(settings: Settings) -> list[str]:

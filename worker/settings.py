@@ -369,6 +369,20 @@ class Settings(BaseSettings):
         description="An event stream whose client accepts no bytes for this long is closed, "
         "seconds.",
     )
+    gateway_client_buffer_bytes: int = Field(
+        262_144,
+        ge=16_384,
+        description="Bytes of an event stream the gateway holds for one client that has not "
+        "taken them yet (entries waiting for it, and the frame its connection has not "
+        "sent); a client that falls further behind is dropped and resumes from its last "
+        "event id.",
+    )
+    gateway_head_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="A connection whose request line and headers have not all arrived within "
+        "this many seconds (of connecting, or of the previous response's end) is closed.",
+    )
 
     @field_validator("gateway_cors_origins", mode="before")
     @classmethod

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from schemas.events import EventType, StreamEvent
+from schemas.jobs import JobStatus
+from schemas.requests import MAX_NESTING
 from tests.helpers.checks import (
     check_stream,
     jobs_queued,
@@ -78,6 +80,36 @@ async def test_invalid_jobs_are_rejected_at_enqueue(
         await harness.client.enqueue(request_body, job_id=job_id)
     assert await harness.redis.xlen(harness.worker.keys.queue) == 0
     assert await harness.redis.keys(f"{harness.settings.prefix}:job:*") == []
+
+
+def nested(levels: int) -> Any:
+    """A message content ``levels`` JSON arrays deep."""
+    value: Any = "deep"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("levels", [126, 200, 300, 5_000])
+async def test_a_request_nested_deeper_than_a_worker_runs_is_refused_before_any_write(
+    harness: Harness, levels: int
+) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": nested(levels)}]}
+    with pytest.raises(InvalidJobError, match=f"nested more than {MAX_NESTING} levels deep"):
+        await harness.client.enqueue(body, job_id="deep")
+    with pytest.raises(InvalidJobError, match=r"requests\[1\]: .*nested more than"):
+        await harness.client.enqueue_many([chat(), body])
+    with pytest.raises(InvalidJobError, match="metadata is nested more than"):
+        await harness.client.enqueue(chat(), metadata={"m": nested(levels + 3)})
+    assert await harness.redis.exists(harness.worker.keys.job("deep")) == 0
+    assert await jobs_queued(harness.redis, harness.worker.keys) == 0
+
+
+async def test_a_request_at_the_nesting_bound_runs(harness: Harness) -> None:
+    # the body 1, messages 2, the message 3, then the content's arrays: 128 levels in all
+    body = {"model": "m", "messages": [{"role": "user", "content": nested(MAX_NESTING - 3)}]}
+    record = await harness.run(body)
+    assert record.status is JobStatus.SUCCEEDED, record.error
 
 
 async def test_enqueue_is_idempotent_per_job_id(harness: Harness) -> None:

@@ -22,6 +22,7 @@ from worker.service.runtime import RuntimeChoices, runtime_choices
 from worker.service.worker import Worker
 from worker.settings import Settings, Upstream
 from worker.speedups import chosen_transport
+from worker.upstream import client as upstream_client
 
 log = logging.getLogger("chatstream.test")
 
@@ -141,6 +142,57 @@ def test_configured_secrets_are_masked_in_messages_and_tracebacks(settings: Sett
     assert second["message"] == "url redis://user:***@host and *** and ***"
     assert third["message"] == "tls key ***"
     assert "RuntimeError: auth failed for ***" in last["exc"]
+
+
+@pytest.mark.parametrize(
+    ("secret", "message", "expected"),
+    [
+        ("x", "prefix=cs tenant=x", "prefix=cs tenant=***"),  # a word holding it: untouched
+        ("x", "Bearer x", "Bearer ***"),
+        ("x", "x", "***"),
+        ("cs", "prefix=cs", "prefix=***"),  # the value itself, whole: masked
+        (
+            "s3cr3t",
+            "xs3cr3t s3cr3tx s3cr3t_ s3cr3t-a s3cr3t.",
+            "xs3cr3t s3cr3tx s3cr3t_ ***-a ***.",
+        ),
+        ("key=", "a key=b", "a ***b"),  # edges that are not letters or digits bind nothing
+        ("p@ss", "redis://u:p@ss@h", "redis://u:***@h"),
+    ],
+)
+def test_only_whole_credentials_are_masked(
+    settings: Settings, secret: str, message: str, expected: str
+) -> None:
+    stream = io.StringIO()
+    handler = logs.build_handler(
+        json_settings(settings, upstream_api_key=SecretStr(secret)), stream
+    )
+    emit(handler, message)
+    assert lines(stream)[0]["message"] == expected
+
+
+async def test_a_one_letter_key_leaves_the_start_up_line_readable(
+    settings: Settings, redis: Redis, root_debug: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    http_logs = upstream_client._HTTP_LOG_REDACTION  # process-wide: keep "x" out of others
+    monkeypatch.setattr(http_logs, "secrets", list(http_logs.secrets))
+    configured = json_settings(
+        settings,
+        prefix="cs",
+        upstream_url="https://mock.example/v1",
+        upstream_api_key=SecretStr("x"),
+    )
+    stream = io.StringIO()
+    handler = logs.build_handler(configured, stream)
+    root_debug.addHandler(handler)
+    worker = Worker(configured, redis, name="w-short-key")
+    try:
+        await worker.startup()
+        await worker.shutdown()
+    finally:
+        root_debug.removeHandler(handler)
+    [line] = [x for x in lines(stream) if " started: " in x["message"]]
+    assert "prefix=cs upstreams: default=https://mock.example/v1 " in line["message"]
 
 
 def test_configure_installs_one_handler_and_replaces_it(settings: Settings) -> None:

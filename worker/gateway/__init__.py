@@ -8,7 +8,9 @@
 ``responses_format``    job events as Responses API events and objects (pure)
 ``responses_api``       the Responses endpoints' I/O: create, stream, retrieve, cancel
 ``hub``                 one Redis reader per process fanning job streams out to clients
-``streaming``           the SSE response: writes frames, watches the client, times out stalls
+``streaming``           the SSE response: writes frames, watches the client, drops stalls
+``cursors``             the one parser of the entry ids clients send (pure)
+``connections``         uvicorn's protocol with a request-head timeout; aborting a connection
 ``auth``                API keys (constant-time), key ids, events tokens, tenants
 ``limits``              open streams per key and process, jobs per minute per key (Redis)
 ``page``                the page at ``/`` (``static/``)

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from schemas.jobs import JobRecord, JobStatus
-from schemas.requests import PRIORITY_RANK, Priority
+from schemas.requests import MAX_NESTING, PRIORITY_RANK, Priority, nesting_depth
 from worker import telemetry
 from worker.errors import JobNotFoundError
 from worker.gateway import responses_api
@@ -51,7 +51,8 @@ def gateway_of(request: Request) -> Gateway:
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object: 413 past ``limit`` bytes, 400 when not JSON."""
+    """The request body as a JSON object: 413 past ``limit`` bytes, 400 when not JSON or
+    nested deeper than ``MAX_NESTING``."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large(limit)
@@ -70,6 +71,12 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         ) from None
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object", code="invalid_request")
+    if nesting_depth(body) > MAX_NESTING:  # more than a worker can run (decisions.md, 51)
+        raise GatewayError(
+            400,
+            f"the request body is nested more than {MAX_NESTING} levels deep",
+            code="invalid_request",
+        )
     return body
 
 
@@ -187,7 +194,7 @@ async def job_events(request: Request) -> EventStream:
         ctx = replace(info.context(), progress_events=_progress_events(request))
         frames = openai_frames(ctx, feed.batches(), done_if_empty=done)
     headers = {"x-chatstream-job-id": job_id}
-    return gateway.event_stream(frames, info, headers, slot, cancel=cancel)
+    return gateway.event_stream(frames, info, headers, slot, cancel=cancel, feed=feed)
 
 
 def _format(request: Request) -> str:
@@ -249,7 +256,12 @@ async def cancel_response(request: Request) -> Response:
 async def healthz(request: Request) -> Response:
     """Redis reachable (else 503), with the process's open streams and followed jobs."""
     gateway = gateway_of(request)
-    counts = {"open_streams": gateway.slots.open_total, "followed_jobs": gateway.hub.followed}
+    counts = {
+        "open_streams": gateway.slots.open_total,
+        "followed_jobs": gateway.hub.followed,
+        "connections": len(gateway.connections),
+        "heads_timed_out": gateway.connections.heads_timed_out,
+    }
     try:
         await gateway.redis.ping()
     except RedisError:

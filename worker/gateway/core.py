@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from schemas.jobs import TERMINAL, JobStatus
-from schemas.requests import JOB_ID_PATTERN, ChatRequest, Priority
+from schemas.requests import JOB_ID_PATTERN, MAX_NESTING, ChatRequest, Priority, nesting_depth
 from worker.aio import cancel_and_wait
 from worker.client import Client
 from worker.errors import (
@@ -40,6 +40,8 @@ from worker.errors import (
 )
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKey, ApiKeys, bearer
+from worker.gateway.connections import Connections
+from worker.gateway.cursors import BadCursor, resume_after
 from worker.gateway.hub import JobFeed, Row, event_hub, is_terminal
 from worker.gateway.limits import RateLimiter, Slot, StreamSlots
 from worker.gateway.streaming import EventStream, client_gone
@@ -49,7 +51,6 @@ from worker.store.redis_client import RedisClient, redis_from_settings
 log = logging.getLogger("chatstream.gateway")
 
 _JOB_ID = re.compile(JOB_ID_PATTERN)
-_ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 # EventSource reconnects after this many ms. It rides on the first event: the openai SDK
 # dispatches an event for a lone "retry:" line, with empty data it cannot parse.
@@ -127,7 +128,8 @@ class Gateway:
         self.redis = redis if redis is not None else redis_from_settings(settings)
         self.client = Client.from_settings(settings, self.redis)
         self.keys = self.client.keys
-        self.hub = event_hub(self.redis, self.keys)
+        self.hub = event_hub(self.redis, self.keys, max_bytes=settings.gateway_client_buffer_bytes)
+        self.connections = Connections()  # filled by the server's protocol (server.py)
         self.slots = StreamSlots(
             settings.gateway_max_streams_per_key, settings.gateway_max_connections
         )
@@ -288,7 +290,7 @@ class Gateway:
             last = first[-1][1]
             return job_error_response(json.loads(last.get("data") or "{}"), last["type"], headers)
         frames = openai_frames(ctx, batches, first=first)
-        return self.event_stream(frames, info, headers, slot, cancel=cancel)
+        return self.event_stream(frames, info, headers, slot, cancel=cancel, feed=feed)
 
     def event_stream(
         self,
@@ -298,14 +300,23 @@ class Gateway:
         slot: Slot,
         *,
         cancel: bool = False,
+        feed: JobFeed | None = None,
     ) -> EventStream:
+        """The SSE response of ``frames``; ``feed``: the live feed they come from (its client
+        is dropped when it falls behind)."""
+
         async def close(client_gone: bool) -> None:
             slot.release()
             if client_gone and cancel:
                 await self.cancel_quietly(info.job_id)
 
         return EventStream(
-            frames, headers=headers, send_timeout=self.settings.gateway_send_timeout, on_close=close
+            frames,
+            headers=headers,
+            send_timeout=self.settings.gateway_send_timeout,
+            on_close=close,
+            abort=self.connections.abort,
+            behind=None if feed is None else feed.behind,
         )
 
     async def cancel_quietly(self, job_id: str) -> None:
@@ -350,7 +361,9 @@ class Gateway:
         if last and is_terminal(last[0]):
             return
         after = last[0][0] if last else "0-0"
-        feed = JobFeed(self.hub, self.keys, job_id, after=after, idle_seconds=60)
+        feed = JobFeed(
+            self.hub, self.keys, job_id, after=after, idle_seconds=60, drop_when_behind=False
+        )
         async for rows in feed.batches():
             if rows and is_terminal(rows[-1]):
                 return
@@ -419,18 +432,26 @@ def include_usage(body: dict[str, Any]) -> bool:
 
 def resume_cursor(request: Request) -> str:
     """Where a client resumes: ``Last-Event-ID`` (an EventSource reconnecting), else
-    ``?after=``, else the beginning."""
-    value = request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
-    if not _ENTRY_ID.fullmatch(value):
+    ``?after=``, else the beginning; a 400 before the response starts for an id Redis
+    would refuse (worker/gateway/cursors.py)."""
+    header = request.headers.get("last-event-id")
+    value = header or request.query_params.get("after") or "0-0"
+    try:
+        return resume_after(value)
+    except BadCursor as exc:
+        name = "Last-Event-ID" if header else "after"
         raise GatewayError(
-            400,
-            "Last-Event-ID and after must be an entry id such as 1718000000000-0",
-            code="invalid_cursor",
-        )
-    return value if "-" in value else f"{value}-0"
+            400, f"{name} is not a valid cursor: {exc}", code="invalid_cursor"
+        ) from None
 
 
 def _check_chat_request(body: dict[str, Any]) -> None:
+    if nesting_depth(body) > MAX_NESTING:
+        raise GatewayError(
+            400,
+            f"invalid request: the body is nested more than {MAX_NESTING} levels deep",
+            code="invalid_request",
+        )
     try:
         ChatRequest.model_validate(body)
     except ValidationError as exc:

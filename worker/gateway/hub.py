@@ -10,8 +10,14 @@ whole reply), one ``EventHub`` task reads every followed stream with one multi-k
   job past the client's cursor, the client reads that gap with ``XRANGE`` itself; entries
   the hub hands it at or before its cursor are dropped.
 * A slow client never holds anyone up: the hub appends to the client's own buffer and
-  never waits for it. A client whose buffer passes ``max_backlog`` entries is dropped from
-  the hub and catches up from Redis again, so memory stays bounded.
+  never waits for it, and holds at most ``max_bytes`` (``CHATSTREAM_GATEWAY_CLIENT_BUFFER_
+  BYTES``) and ``max_backlog`` entries for it, counting the batch its stream is writing.
+  A client with entries waiting that would pass them is dropped: its feed raises
+  ClientTooSlow and the client resumes from its last event id (docs/decisions.md, 58; a
+  feed made with ``drop_when_behind=False`` reads the gap from Redis instead). A client
+  with nothing waiting whose one read is larger gets the first entries within the bounds
+  and reads the rest from Redis, in pages, at its own pace, before it follows again.
+* Replayed history is read in pages sized to ``max_bytes`` from the entries seen so far.
 * A newly followed job wakes the hub's blocked read: an ``XADD`` to the hub's own wake
   stream (a key under the prefix, so an ACL user limited to the prefix works).
 """
@@ -39,13 +45,51 @@ log = logging.getLogger("chatstream.gateway")
 
 Row = tuple[str, dict[str, str]]
 TERMINAL_TYPES = frozenset({"done", "error", "cancelled"})
-RANGE_COUNT = 500  # entries per XRANGE page
+RANGE_COUNT = 500  # entries per XRANGE page, at most
+FIRST_GUESS_ROW_BYTES = 2_048  # a history page's first size: max_bytes / this (then measured)
 READ_COUNT = 500  # entries per stream per XREAD
 WAKE_TTL_SECONDS = 3600
 # Successive XREADs start at least this far apart. An idle hub is blocked in XREAD and
 # hands an entry on at once; a busy one gets many entries per read instead of one (each
 # read re-sends every followed key and costs a round trip): at most this much added delay.
 MIN_READ_INTERVAL = 0.005
+
+
+# what a row costs beyond its text: the tuple, the dict and the str objects (CPython, 64-bit)
+ROW_OVERHEAD = 400
+
+
+class Behind:
+    """Set when a live feed's client fell more than its byte bound behind. The stream
+    waits on it beside its writes: a client that reads nothing blocks the write, so the
+    feed alone would never get to raise ClientTooSlow."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.waiting = 0
+
+    def fell_behind(self, waiting: int) -> None:
+        self.waiting = waiting
+        self.event.set()
+
+    def error(self) -> ClientTooSlow:
+        return ClientTooSlow(self.waiting)
+
+
+class ClientTooSlow(Exception):
+    """A live feed's client fell more than its byte bound behind: drop it (it resumes)."""
+
+    def __init__(self, waiting: int) -> None:
+        super().__init__(f"{waiting} bytes were waiting for a client that did not read them")
+        self.waiting = waiting
+
+
+def rows_size(rows: list[Row]) -> int:
+    """About how many bytes ``rows`` hold in memory."""
+    size = 0
+    for entry_id, fields in rows:
+        size += ROW_OVERHEAD + len(entry_id) + sum(len(k) + len(v) for k, v in fields.items())
+    return size
 
 
 def id_tuple(entry_id: str) -> tuple[int, int]:
@@ -71,11 +115,19 @@ class ReadCommand:
     """
 
     def __init__(self, count: int, block_ms: int) -> None:
-        self._options = b"".join(
-            _bulk(part) for part in ("XREAD", "COUNT", str(count), "BLOCK", str(block_ms))
-        )
+        self.block_ms = block_ms
+        self.count = 0
+        self._options = b""
+        self.set_count(count)
         self._keys: dict[str, bytes] = {}  # both dicts share one order: keys and ids align
         self._ids: dict[str, bytes] = {}
+
+    def set_count(self, count: int) -> None:
+        """Entries per stream per read, at most."""
+        if count != self.count:
+            self.count = count
+            parts = ("XREAD", "COUNT", str(count), "BLOCK", str(self.block_ms))
+            self._options = b"".join(_bulk(part) for part in parts)
 
     def set(self, key: str, entry_id: str) -> None:
         if key not in self._keys:
@@ -103,18 +155,30 @@ def _rows(entries: Any) -> list[Row]:
 class Follower:
     """One client's place in the hub: the entries handed to it, not yet taken."""
 
-    __slots__ = ("backlog", "gap_end", "key", "overflowed", "ready")
+    __slots__ = (
+        "backlog", "behind", "dropped", "gap_end", "in_flight", "key", "overflowed", "ready",
+        "size",
+    )  # fmt: skip
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.backlog: list[Row] = []
+        self.size = 0  # bytes of the backlog
+        self.in_flight = 0  # bytes of the batch taken last, until the client's stream wrote it
         self.ready = asyncio.Event()
-        self.overflowed = False
+        self.overflowed = False  # the hub hands it nothing more
+        self.dropped = False  # ... because its client is not keeping up
+        self.behind: Behind | None = None  # told when it is dropped
         self.gap_end: str | None = None
+
+    @property
+    def waiting(self) -> int:
+        return self.size + self.in_flight
 
     def take(self, after: str) -> list[Row]:
         """The buffered entries after ``after``, in order."""
         rows, self.backlog = self.backlog, []
+        self.in_flight, self.size = self.size, 0
         self.ready.clear()
         if rows and id_tuple(rows[0][0]) <= id_tuple(after):
             cursor = id_tuple(after)
@@ -130,15 +194,18 @@ class EventHub:
         *,
         block_ms: int = 2_000,
         max_backlog: int = 2_000,
+        max_bytes: int = 262_144,
         min_interval: float = MIN_READ_INTERVAL,
     ) -> None:
         self.redis = redis
         self.block_ms = block_ms
         self.min_interval = min_interval
         self.max_backlog = max_backlog
+        self.max_bytes = max_bytes
         self.wake_key = keys.gateway_wake(uuid.uuid4().hex[:16])
         self._last: dict[str, str] = {}  # followed key -> the last entry id the hub read
-        self._command = ReadCommand(READ_COUNT, block_ms)
+        self._row_bytes = float(FIRST_GUESS_ROW_BYTES)  # what an entry costs, lately
+        self._command = ReadCommand(self.read_count(), block_ms)
         self._command.set(self.wake_key, "0-0")
         self._connection: Any = None  # the hub's own: its XREAD blocks
         self._followers: dict[str, set[Follower]] = {}
@@ -210,6 +277,12 @@ class EventHub:
                 self._command.set(key, entries[-1][0])
             elif entries and key in before and self._last.get(key) == before[key]:
                 self._deliver(key, _rows(entries))  # (unless unfollowed or re-followed)
+        self._command.set_count(self.read_count())
+
+    def read_count(self) -> int:
+        """Entries per stream per read: about ``max_bytes`` of the entries seen lately (a
+        client takes no more from one read; more would be read again from Redis)."""
+        return max(1, min(READ_COUNT, self.max_bytes // max(1, int(self._row_bytes))))
 
     async def _xread(self, packed: bytes) -> Any:
         """One XREAD on the hub's own connection (made like the pool's, reconnected after
@@ -233,14 +306,42 @@ class EventHub:
     def _deliver(self, key: str, rows: list[Row]) -> None:
         self._last[key] = rows[-1][0]
         self._command.set(key, rows[-1][0])
+        size = rows_size(rows)  # the rows are shared by the job's followers
+        self._row_bytes += (size / len(rows) - self._row_bytes) / 8  # a moving average
         for follower in list(self._followers[key]):
-            if len(follower.backlog) + len(rows) > self.max_backlog:
-                follower.overflowed = True
-                follower.backlog = []
-                self.unfollow(follower)
-            else:
+            if follower.waiting + size <= self.max_bytes and (
+                len(follower.backlog) + len(rows) <= self.max_backlog
+            ):
                 follower.backlog.extend(rows)
+                follower.size += size
+            elif follower.backlog or follower.in_flight:
+                self._drop(follower, size)  # it is not keeping up: behind
+            else:
+                self._hand_part(follower, rows)  # it keeps up, but this read is too large
             follower.ready.set()
+
+    def _drop(self, follower: Follower, size: int) -> None:
+        follower.overflowed = follower.dropped = True
+        follower.size = follower.waiting + size  # (what it would have had waiting)
+        follower.backlog = []
+        self.unfollow(follower)
+        if follower.behind is not None:
+            follower.behind.fell_behind(follower.size)
+
+    def _hand_part(self, follower: Follower, rows: list[Row]) -> None:
+        """The first rows within the bounds (one at least), and no more from the hub: the
+        feed reads the rest from Redis, at its client's pace, then follows again."""
+        taken: list[Row] = []
+        size = 0
+        for row in rows:
+            row_size = rows_size([row])
+            if taken and (size + row_size > self.max_bytes or len(taken) >= self.max_backlog):
+                break
+            taken.append(row)
+            size += row_size
+        follower.backlog, follower.size = taken, size
+        follower.overflowed = True
+        self.unfollow(follower)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -301,7 +402,7 @@ class ClusterEventHub(EventHub):
         while (cursor := self._last.get(key)) is not None:
             try:
                 reply: Any = await self.redis.xread(
-                    {key: cursor}, count=READ_COUNT, block=self.block_ms
+                    {key: cursor}, count=self.read_count(), block=self.block_ms
                 )
                 failures = 0
             except RedisError as exc:
@@ -324,12 +425,11 @@ class ClusterEventHub(EventHub):
         await super().close()
 
 
-def event_hub(redis: RedisClient, keys: Keys) -> EventHub:
+def event_hub(redis: RedisClient, keys: Keys, *, max_bytes: int = 262_144) -> EventHub:
     """The hub for this deployment: one multi-key reader, or one reader per job on a
-    Cluster."""
-    return (
-        ClusterEventHub(redis, keys) if isinstance(redis, RedisCluster) else EventHub(redis, keys)
-    )
+    Cluster. ``max_bytes``: what may wait for one client."""
+    kind = ClusterEventHub if isinstance(redis, RedisCluster) else EventHub
+    return kind(redis, keys, max_bytes=max_bytes)
 
 
 class JobFeed:
@@ -350,6 +450,7 @@ class JobFeed:
         after: str = "0-0",
         ended: bool = False,
         idle_seconds: float = 15.0,
+        drop_when_behind: bool = True,
     ) -> None:
         self.hub = hub
         self.redis = hub.redis
@@ -359,6 +460,9 @@ class JobFeed:
         self.cursor = after
         self.ended = ended
         self.idle_seconds = idle_seconds
+        self.drop_when_behind = drop_when_behind
+        self.behind = Behind()
+        self.page = max(1, min(RANGE_COUNT, hub.max_bytes // FIRST_GUESS_ROW_BYTES))
 
     async def batches(self) -> AsyncGenerator[list[Row], None]:
         while True:
@@ -369,6 +473,8 @@ class JobFeed:
             if self.ended:
                 return
             follower = self.hub.follow(self.key, self.cursor)
+            if self.drop_when_behind:
+                follower.behind = self.behind
             try:
                 async for rows in self._live(follower):
                     yield rows
@@ -376,20 +482,25 @@ class JobFeed:
                         return
             finally:
                 self.hub.unfollow(follower)
-            # the follower overflowed (this client fell behind): catch up from Redis
+            if follower.dropped and self.drop_when_behind:  # this client fell behind
+                raise ClientTooSlow(follower.waiting)
+            # (else catch up from Redis)
 
     async def _history(self, until: str = "+") -> AsyncIterator[list[Row]]:
         """Every entry after the cursor (up to ``until``), in pages; stops at a terminal one."""
         while True:
+            count = self.page
             rows: Any = await self.redis.xrange(
-                self.key, min=f"({self.cursor}", max=until, count=RANGE_COUNT
+                self.key, min=f"({self.cursor}", max=until, count=count
             )
             if not rows:
                 return
             rows = _through_terminal(rows)
             self.cursor = rows[-1][0]
+            per_row = rows_size(rows) // len(rows)  # the next page: about max_bytes
+            self.page = max(1, min(RANGE_COUNT, self.hub.max_bytes // per_row))
             yield rows
-            if len(rows) < RANGE_COUNT or is_terminal(rows[-1]):
+            if len(rows) < count or is_terminal(rows[-1]):
                 return
 
     async def _live(self, follower: Follower) -> AsyncIterator[list[Row]]:
@@ -398,7 +509,7 @@ class JobFeed:
                 yield rows
                 if is_terminal(rows[-1]):
                     return
-        while not follower.overflowed:
+        while follower.backlog or not follower.overflowed:
             if not follower.backlog:
                 try:
                     async with asyncio.timeout(self.idle_seconds):
@@ -412,6 +523,7 @@ class JobFeed:
                 rows = _through_terminal(rows)
                 self.cursor = rows[-1][0]
                 yield rows
+            follower.in_flight = 0  # the client's stream wrote them (or they were none)
 
     async def _check_record(self) -> None:
         if not await self.redis.exists(self.record_key):

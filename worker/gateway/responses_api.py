@@ -116,7 +116,7 @@ async def retrieve(
     )
     frames = response_frames(job.ctx, feed.batches(), after=after)
     cancel = cancel_on_disconnect(request)
-    return gateway.event_stream(frames, job.info, headers, slot, cancel=cancel)
+    return gateway.event_stream(frames, job.info, headers, slot, cancel=cancel, feed=feed)
 
 
 async def cancel(gateway: Gateway, key: ApiKey, response_id: str) -> Response:
@@ -235,7 +235,7 @@ async def _new_stream(
             return job_error_response(json_object(first[-1][1].get("data")), "error", headers)
     frames = response_frames(job.ctx, batches, first=first)
     cancel = cancel_on_disconnect(request)
-    return gateway.event_stream(frames, job.info, headers, slot, cancel=cancel)
+    return gateway.event_stream(frames, job.info, headers, slot, cancel=cancel, feed=feed)
 
 
 async def response_frames(

@@ -14,6 +14,7 @@ import uvicorn
 from worker import telemetry
 from worker.embedded_server import EmbeddedServer, bind, served
 from worker.gateway.app import create_app
+from worker.gateway.connections import protocol_class
 from worker.settings import Settings
 from worker.store.redis_client import RedisClient, connect
 
@@ -24,8 +25,11 @@ SHUTDOWN_GRACE_SECONDS = 2
 
 
 def _config(settings: Settings, redis: RedisClient | None) -> uvicorn.Config:
+    app = create_app(settings, redis)
+    connections = app.state.gateway.connections
     return uvicorn.Config(
-        create_app(settings, redis),
+        app,
+        http=protocol_class(settings.gateway_head_timeout, connections),
         lifespan="on",
         log_config=None,  # chatstream's logging (worker/logs.py) stays as configured
         access_log=False,  # an access line would show events tokens in query strings

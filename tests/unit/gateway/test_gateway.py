@@ -406,10 +406,17 @@ async def test_a_stalled_client_blocks_neither_the_worker_nor_other_clients(
     """A client that stops reading a 4 MB reply (more than loopback's socket buffers hold):
     the worker still finishes the job and other clients stream theirs while the stalled
     stream stays blocked in its write; when that client finally goes, its slot is freed.
-    (The send timeout that drops such a client is tested in test_gateway_parts.py.)"""
+    (The send timeout that drops such a client is tested in test_gateway_parts.py, the byte
+    bound that drops it sooner, here set above the reply, in tests/system.)"""
     big = chat("big", tokens=4000, words="x" * 1000)
     async with (
-        running_gateway(settings, redis, mock_upstream, gateway_send_timeout=3600) as gw,
+        running_gateway(
+            settings,
+            redis,
+            mock_upstream,
+            gateway_send_timeout=3600,
+            gateway_client_buffer_bytes=64 * 2**20,
+        ) as gw,
         gw.http() as http,
     ):
         job_id = await create_job(http, big)

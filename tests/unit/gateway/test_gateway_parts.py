@@ -27,7 +27,7 @@ from worker.aio import cancel_and_wait
 from worker.errors import ConfigError
 from worker.gateway import openai_format as fmt
 from worker.gateway.auth import ApiKeys, bearer
-from worker.gateway.hub import EventHub, JobFeed, ReadCommand, Row
+from worker.gateway.hub import ClientTooSlow, EventHub, JobFeed, ReadCommand, Row, rows_size
 from worker.gateway.limits import LimitExceeded, StreamSlots
 from worker.gateway.streaming import EventStream
 from worker.protocol.message import Delta
@@ -596,8 +596,9 @@ async def test_feeds_get_exactly_the_entries_after_their_cursor(
     async def client(job_id: str) -> tuple[str, list[Row]]:
         await asyncio.sleep(rnd.random() * 0.3)
         existing: Any = await redis.xrange(keys.events(job_id))
-        cursor = rnd.choice(["0-0", *(entry_id for entry_id, _ in existing)])
-        feed = JobFeed(hub, keys, job_id, after=cursor, idle_seconds=5)
+        # (not the terminal entry: after it, only a feed told the job ended returns)
+        cursor = rnd.choice(["0-0", *(eid for eid, f in existing if f["type"] != "done")])
+        feed = JobFeed(hub, keys, job_id, after=cursor, idle_seconds=5, drop_when_behind=False)
         return cursor, await read_all(feed)
 
     picks = [rnd.choice(jobs) for _ in range(30)]
@@ -683,11 +684,12 @@ async def test_a_client_that_falls_behind_is_dropped_and_catches_up(
     redis: Redis, prefix: str, hub: EventHub
 ) -> None:
     """More entries than max_backlog (4) arrive while the client is not reading: the hub
-    stops buffering for it, and it reads the rest from Redis, without loss or repeat."""
+    stops buffering for it, and (a feed asked to catch up: the gateway's own wait for a
+    job's end) it reads the rest from Redis, without loss or repeat."""
     keys = Keys(prefix)
     key = keys.events("j")
     await redis.hset(keys.job("j"), "status", "running")  # idle feeds check the record
-    feed = JobFeed(hub, keys, "j", idle_seconds=0.1)
+    feed = JobFeed(hub, keys, "j", idle_seconds=0.1, drop_when_behind=False)
     rows = feed.batches()
     assert await anext(rows) == []  # following live, idle
     assert hub.followed == 1
@@ -698,6 +700,93 @@ async def test_a_client_that_falls_behind_is_dropped_and_catches_up(
     async for batch in rows:
         got += batch
     assert [r[0] for r in got] == ids
+
+
+@pytest.fixture
+async def small_hub(redis: Redis, prefix: str) -> AsyncIterator[EventHub]:
+    hub = EventHub(redis, Keys(prefix), max_bytes=16_384)  # four 4 KB entries
+    task = asyncio.create_task(hub.run())
+    yield hub
+    await cancel_and_wait([task])
+    await hub.close()
+
+
+async def test_a_client_that_does_not_read_is_dropped_past_its_byte_bound(
+    redis: Redis, prefix: str, small_hub: EventHub
+) -> None:
+    keys = Keys(prefix)
+    await redis.hset(keys.job("j"), "status", "running")
+    rows = JobFeed(small_hub, keys, "j", idle_seconds=0.1).batches()
+    assert await anext(rows) == []  # following live
+    first = await add(redis, keys.events("j"), text="a" * 4000)
+    assert [row[0] for row in await anext(rows)] == [first]  # taken: now being sent
+    for _ in range(6):  # ... and the client takes nothing more while 24 KB arrive
+        await add(redis, keys.events("j"), text="b" * 4000)
+        await asyncio.sleep(0.02)  # one hub read each
+    await eventually_async(lambda: small_hub.followed == 0)  # the hub let it go
+    with pytest.raises(ClientTooSlow) as dropped:
+        await anext(rows)
+    assert dropped.value.waiting > 16_384
+    await rows.aclose()
+
+
+async def test_a_client_that_reads_is_not_dropped_by_one_large_read(
+    redis: Redis, prefix: str, small_hub: EventHub
+) -> None:
+    keys = Keys(prefix)
+    key = keys.events("j")
+    await redis.hset(keys.job("j"), "status", "running")
+    rows = JobFeed(small_hub, keys, "j", idle_seconds=0.1).batches()
+    assert await anext(rows) == []
+    reading = asyncio.create_task(read_rest(rows))
+    await asyncio.sleep(0.05)  # the client waits for entries
+    await add(redis, key, text="c" * 80_000)  # one entry, one hub read: 80 KB
+    await add(redis, key, "done")
+    got = await reading
+    assert [len(row[1]["data"]) for row in got] == [len(json.dumps({"content": "c" * 80_000})), 2]
+
+
+async def test_a_reading_client_gets_a_read_larger_than_its_bound_in_pages(
+    redis: Redis, prefix: str, small_hub: EventHub
+) -> None:
+    """Ten 4 KB entries in one hub read (one transaction) for a client with nothing
+    waiting: it gets the first within its 16 KB, the rest from Redis, in order, undropped."""
+    keys = Keys(prefix)
+    key = keys.events("j")
+    await redis.hset(keys.job("j"), "status", "running")
+    rows = JobFeed(small_hub, keys, "j", idle_seconds=0.1).batches()
+    reading = asyncio.create_task(read_rest(rows))
+    await eventually_async(lambda: small_hub.followed == 1)
+    async with redis.pipeline(transaction=True) as pipe:
+        for i in range(10):
+            pipe.xadd(key, {"type": "delta", "attempt": "1", "data": f"{i:04d}" + "e" * 4000})
+        pipe.xadd(key, {"type": "done", "attempt": "1", "data": "{}"})
+        await pipe.execute()
+    got = await reading
+    assert [row[1]["data"][:4] for row in got[:-1]] == [f"{i:04d}" for i in range(10)]
+    assert got[-1][1]["type"] == "done"
+
+
+async def read_rest(rows: AsyncGenerator[list[Row], None]) -> list[Row]:
+    got: list[Row] = []
+    async for batch in rows:
+        got += batch
+    return got
+
+
+async def test_history_is_read_in_pages_of_about_the_byte_bound(
+    redis: Redis, prefix: str, small_hub: EventHub
+) -> None:
+    keys = Keys(prefix)
+    for _ in range(60):
+        await add(redis, keys.events("j"), text="d" * 4000)
+    await add(redis, keys.events("j"), "done")
+    feed = JobFeed(small_hub, keys, "j", ended=True)
+    pages = [rows async for rows in feed.batches()]
+    assert sum(len(rows) for rows in pages) == 61
+    assert rows_size(pages[0]) < 3 * 16_384  # the first page: sized from a guess
+    assert all(rows_size(rows) <= 16_384 for rows in pages[1:])  # then from what it saw
+    assert len(pages) > 10
 
 
 async def eventually_async(check: Any, timeout: float = 5) -> None:
