@@ -1204,6 +1204,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
         " five), coalesced (extra: capacity with a coalescing mock)",
     )
     parser.add_argument("--duration", type=float, help="seconds of streaming per step")
+    parser.add_argument("--rate", type=float, help="tokens/s per stream in the capacity steps")
     parser.add_argument("--start", type=int, help="first capacity step (both systems)")
     parser.add_argument("--max-streams", type=int, help="largest capacity step to try")
     parser.add_argument("--steps", help="comma-separated capacity steps to run (no search)")
@@ -1216,34 +1217,29 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
     parser.add_argument("--verbose", action="store_true", help="per-second late tokens per step")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else Plan()
-    overrides: dict[str, Any] = {}
-    if args.duration:
-        overrides["duration"] = args.duration
+    overrides = _overrides(args)
+    unknown = set(overrides.get("phases", ())) - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phases {sorted(unknown)}")
+    return args, Plan(**{**plan.__dict__, **overrides})
+
+
+PHASES = ("throughput", "capacity", "tls", "memory", "coalesced", "cluster")
+SIMPLE_OPTIONS = ("duration", "rate", "consumers", "verbose", "max_streams", "chatstream")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The Plan fields the command line sets."""
+    overrides: dict[str, Any] = {
+        name: getattr(args, name) for name in SIMPLE_OPTIONS if getattr(args, name)
+    }
     if args.start:
         overrides["start_ours"] = overrides["start_peer"] = args.start
-    if args.consumers:
-        overrides["consumers"] = args.consumers
-    if args.verbose:
-        overrides["verbose"] = True
-    if args.max_streams:
-        overrides["max_streams"] = args.max_streams
-    if args.chatstream:
-        overrides["chatstream"] = args.chatstream
     if args.steps:
         overrides["steps"] = tuple(int(n) for n in args.steps.split(","))
     if args.phase:
         overrides["phases"] = tuple(args.phase.split(","))
-        unknown = set(overrides["phases"]) - {
-            "throughput",
-            "capacity",
-            "tls",
-            "memory",
-            "coalesced",
-            "cluster",
-        }
-        if unknown:
-            parser.error(f"unknown phases {sorted(unknown)}")
-    return args, Plan(**{**plan.__dict__, **overrides})
+    return overrides
 
 
 def main(argv: Sequence[str] | None = None) -> None:
