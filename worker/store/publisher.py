@@ -237,6 +237,10 @@ class Publisher:
                 log.exception("publish failed unexpectedly, retrying")
                 self._retry_later(batch, exc)
             self._round_trip_done.set()
+            # The reply came with the reads of the same poll; their tasks are queued
+            # behind this one: let them fold and publish first, so their deltas share
+            # the next round trip instead of waiting for the one after.
+            await asyncio.sleep(0)
 
     async def _next_batch(self) -> list[JobStream]:
         """The jobs due for a round trip (at most ``max_batch``), waiting for one if none.
