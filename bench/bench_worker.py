@@ -182,6 +182,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
 
 
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that ended (consumers, enqueuers)."""
+    me, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
 def voluntary_switches(pid: int) -> int:
     """How often the process went to sleep and was woken (all its threads' counts)."""
     total = 0
@@ -645,6 +654,7 @@ class Step:
     machine: float = 0.0
     background: float = 0.0
     loadavg: float = 0.0  # the 1-minute load average before the step (all processes)
+    others: float = 0.0  # busy fraction of the machine during the step, not ours
     wakeups: int = 0  # the worker's voluntary context switches over the step
     timeline: list[str] = field(default_factory=list)  # "late/received" tokens per second
     rss: int = 0
@@ -661,8 +671,9 @@ class Step:
 
     @property
     def busy(self) -> bool:
-        """Other processes used more than BUSY of the machine in the second before it."""
-        return self.background > BUSY
+        """Other processes used more than BUSY of the machine in the second before the step
+        or during it (the machine's CPU less that of the benchmark's own processes)."""
+        return self.background > BUSY or self.others > BUSY
 
 
 def percentile(hist: dict[int, int], q: float) -> float:
@@ -771,7 +782,7 @@ async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
     step = Step(n, expected=n * tokens)
     pids = {"worker": proc.pid, **env.helpers}
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    wakeups_before = voluntary_switches(proc.pid)
+    wakeups_before, own_before = voluntary_switches(proc.pid), own_cpu_seconds()
     busy_before, began = machine_busy(), time.monotonic()
     try:
         await system.enqueue(env, jobs, plan.ramp)
@@ -789,6 +800,8 @@ async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
     step.helper_cpu = cpu
     busy_after = machine_busy()
     step.machine = (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
+    ours = sum(used.values()) + own_cpu_seconds() - own_before
+    step.others = max(0.0, (busy_after[0] - busy_before[0]) / CLOCK_TICK - ours) / elapsed / CPUS
     step.rss = peak_rss(proc.pid)
     summarize(step, results, plan.duration)
     return step
@@ -796,17 +809,18 @@ async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
 
 STEP_HEADER = (
     f"  {'':<18} {'':>7} {'latency ms, all N sending':^27} {'(all)':>6}"
-    f" {'CPU, one core = 100%':^30} {'':>6} {'load':>5} {'peak':>5} {'us CPU':>6}"
+    f" {'CPU, one core = 100%':^30} {'':>6} {'':>6} {'load':>5} {'peak':>5} {'us CPU':>6}"
     f" {'wakes':>6}\n"
     f"  {'':<18} {'streams':>7} {'p50':>6} {'p99':>6} {'max':>6} {'XADD':>6} {'p99':>6}"
-    f" {'worker':>6} {'cons.':>5} {'mock':>5} {'redis':>5} {'all':>5} {'before':>6} {'1min':>5}"
+    f" {'worker':>6} {'cons.':>5} {'mock':>5} {'redis':>5} {'all':>5} {'before':>6} {'others':>6}"
+    f" {'1min':>5}"
     f" {'RSS':>5} {'/token':>6} {'/token':>6}"
 )
 
 
 def step_line(system: System, step: Step) -> str:
     verdict = "ok" if step.ok else "FAIL: " + "; ".join(step.problems)
-    verdict += " (BUSY before: not for ratios)" if step.busy else ""
+    verdict += " (BUSY machine: not for ratios)" if step.busy else ""
     cpu, ms = step.helper_cpu, 1000
     wakes = step.wakeups / step.tokens if step.tokens else math.nan
     return (
@@ -814,8 +828,8 @@ def step_line(system: System, step: Step) -> str:
         f" {step.worst * ms:>6.0f} {step.p99_written * ms:>6.0f} {step.p99_all * ms:>6.0f}"
         f" {step.worker_cpu:>6.0%} {step.consumer_cpu:>5.0%} {cpu['mock']:>5.0%}"
         f" {cpu['redis']:>5.0%} {step.machine * CPUS:>5.0%} {step.background * CPUS:>6.0%}"
-        f" {step.loadavg:>5.2f} {step.rss / 2**20:>4.0f}M {step.cpu_per_token * 1e6:>6.0f}"
-        f" {wakes:>6.2f}  {verdict}"
+        f" {step.others * CPUS:>6.0%} {step.loadavg:>5.2f} {step.rss / 2**20:>4.0f}M"
+        f" {step.cpu_per_token * 1e6:>6.0f} {wakes:>6.2f}  {verdict}"
     )
 
 
