@@ -1,5 +1,6 @@
 """WakeCoalescer: the loop sleeps out the tick only once it has gone idle, and only while
-jobs run (a fake clock: the loop's own passes take no time, work takes what it says)."""
+jobs run (a fake clock: the loop's own passes take no time, work takes what it says);
+and a real worker turns it on for a job and off after it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 
 import pytest
 
+from tests.helpers.harness import Harness, chat
 from worker.service.ticks import WakeCoalescer
 
 TICK = 0.004
@@ -84,3 +86,13 @@ async def test_a_zero_tick_never_runs() -> None:
     coalescer.resume()
     await passes(5)
     assert not coalescer.running and clock.slept == []
+
+
+async def test_a_worker_paces_its_loop_only_while_it_runs_jobs(harness: Harness) -> None:
+    ticks = harness.worker.ticks
+    assert not ticks.running and ticks.sleeps == 0  # started, no job yet: no pacing
+    record = await harness.run(chat("hi", tokens=20))
+    assert record.status == "succeeded"
+    await passes(2)
+    assert ticks.sleeps > 0  # the job waited for its upstream and Redis in ticks
+    assert not ticks.running  # no job runs: the loop blocks in its poll again
