@@ -64,6 +64,8 @@ SLOT = 0.1  # latencies are kept per 100 ms of send time
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 CPUS = os.cpu_count() or 1
 QUIET = 0.25  # a capacity step waits until the CPUs are at most this busy without it
+BUSY = 0.30  # ...and is marked "busy" (no ratio from it) when they were busier than this
+RESOLUTION = 0.10  # bisect until the first failing N is within 10% of the last passing one
 LONG_ROUNDS = 20.0  # no more throughput rounds once this many seconds were measured
 
 
@@ -79,7 +81,8 @@ class Plan:
     start_ours: int = 200
     start_peer: int = 25
     max_streams: int = 6400
-    refine: int = 2
+    refine: int = 6  # most bisection steps (they stop at RESOLUTION)
+    light: int = 60  # a fixed light-load step (tens of streams: ordinary load), both systems
     keys_per_read: int = 100
     consumers: int = 1
     phases: tuple[str, ...] = ("throughput", "capacity", "tls", "memory", "cluster")
@@ -94,7 +97,7 @@ class Plan:
 
 QUICK = Plan(
     tp_jobs=50, tp_tokens=200, tp_rounds=1, duration=3.0, ramp=0.5,
-    start_ours=50, start_peer=25, max_streams=100, refine=0, quiet_budget=5.0,
+    start_ours=50, start_peer=25, max_streams=100, refine=1, quiet_budget=5.0,
     memory_streams=200,
 )  # fmt: skip
 
@@ -177,6 +180,26 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of one process (its threads included), from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that ended (consumers, enqueuers)."""
+    me, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def voluntary_switches(pid: int) -> int:
+    """How often the process went to sleep and was woken (all its threads' counts)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
 
 
 def peak_rss(pid: int) -> int:
@@ -630,6 +653,9 @@ class Step:
     helper_cpu: dict[str, float] = field(default_factory=dict)
     machine: float = 0.0
     background: float = 0.0
+    loadavg: float = 0.0  # the 1-minute load average before the step (all processes)
+    others: float = 0.0  # busy fraction of the machine during the step, not ours
+    wakeups: int = 0  # the worker's voluntary context switches over the step
     timeline: list[str] = field(default_factory=list)  # "late/received" tokens per second
     rss: int = 0
     problems: list[str] = field(default_factory=list)
@@ -642,6 +668,12 @@ class Step:
     def cpu_per_token(self) -> float:
         """Worker CPU seconds per token delivered (ramp and wind-down included)."""
         return self.worker_cpu_s / self.tokens if self.tokens else math.nan
+
+    @property
+    def busy(self) -> bool:
+        """Other processes used more than BUSY of the machine in the second before the step
+        or during it (the machine's CPU less that of the benchmark's own processes)."""
+        return self.background > BUSY or self.others > BUSY
 
 
 def percentile(hist: dict[int, int], q: float) -> float:
@@ -750,6 +782,7 @@ async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
     step = Step(n, expected=n * tokens)
     pids = {"worker": proc.pid, **env.helpers}
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    wakeups_before, own_before = voluntary_switches(proc.pid), own_cpu_seconds()
     busy_before, began = machine_busy(), time.monotonic()
     try:
         await system.enqueue(env, jobs, plan.ramp)
@@ -763,9 +796,12 @@ async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
     used = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
     cpu = {name: seconds / elapsed for name, seconds in used.items()}
     step.worker_cpu, step.worker_cpu_s = cpu.pop("worker"), used["worker"]
+    step.wakeups = voluntary_switches(proc.pid) - wakeups_before
     step.helper_cpu = cpu
     busy_after = machine_busy()
     step.machine = (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
+    ours = sum(used.values()) + own_cpu_seconds() - own_before
+    step.others = max(0.0, (busy_after[0] - busy_before[0]) / CLOCK_TICK - ours) / elapsed / CPUS
     step.rss = peak_rss(proc.pid)
     summarize(step, results, plan.duration)
     return step
@@ -773,22 +809,27 @@ async def measure_streams(env: Env, system: System, proc: Proc, n: int) -> Step:
 
 STEP_HEADER = (
     f"  {'':<18} {'':>7} {'latency ms, all N sending':^27} {'(all)':>6}"
-    f" {'CPU, one core = 100%':^30} {'':>6} {'peak':>5} {'us CPU':>6}\n"
+    f" {'CPU, one core = 100%':^30} {'':>6} {'':>6} {'load':>5} {'peak':>5} {'us CPU':>6}"
+    f" {'wakes':>6}\n"
     f"  {'':<18} {'streams':>7} {'p50':>6} {'p99':>6} {'max':>6} {'XADD':>6} {'p99':>6}"
-    f" {'worker':>6} {'cons.':>5} {'mock':>5} {'redis':>5} {'all':>5} {'before':>6} {'RSS':>5}"
-    f" {'/token':>6}"
+    f" {'worker':>6} {'cons.':>5} {'mock':>5} {'redis':>5} {'all':>5} {'before':>6} {'others':>6}"
+    f" {'1min':>5}"
+    f" {'RSS':>5} {'/token':>6} {'/token':>6}"
 )
 
 
 def step_line(system: System, step: Step) -> str:
     verdict = "ok" if step.ok else "FAIL: " + "; ".join(step.problems)
+    verdict += " (BUSY machine: not for ratios)" if step.busy else ""
     cpu, ms = step.helper_cpu, 1000
+    wakes = step.wakeups / step.tokens if step.tokens else math.nan
     return (
         f"  {system.label:<18} {step.streams:>7} {step.p50 * ms:>6.1f} {step.p99 * ms:>6.1f}"
         f" {step.worst * ms:>6.0f} {step.p99_written * ms:>6.0f} {step.p99_all * ms:>6.0f}"
         f" {step.worker_cpu:>6.0%} {step.consumer_cpu:>5.0%} {cpu['mock']:>5.0%}"
         f" {cpu['redis']:>5.0%} {step.machine * CPUS:>5.0%} {step.background * CPUS:>6.0%}"
-        f" {step.rss / 2**20:>4.0f}M {step.cpu_per_token * 1e6:>6.0f}  {verdict}"
+        f" {step.others * CPUS:>6.0%} {step.loadavg:>5.2f} {step.rss / 2**20:>4.0f}M"
+        f" {step.cpu_per_token * 1e6:>6.0f} {wakes:>6.2f}  {verdict}"
     )
 
 
@@ -804,52 +845,86 @@ async def wait_for_quiet(env: Env) -> float:
 async def capacity_step(env: Env, system: System, n: int) -> Step:
     await env.redis.flushall()
     background = await wait_for_quiet(env)
+    loadavg = os.getloadavg()[0]
     proc = system.start(env, n)
     try:
         await warm_up(env, system, proc, f"c{n}")
         step = await measure_streams(env, system, proc, n)
     finally:
         proc.stop()
-    step.background = background
+    step.background, step.loadavg = background, loadavg
     print(step_line(system, step), flush=True)
     if env.plan.verbose:
         print("      tokens late/received, per second: " + " ".join(step.timeline), flush=True)
     return step
 
 
-async def capacity(env: Env, system: System) -> tuple[Step | None, list[Step]]:
-    """Double N until a step fails (halve while the first fails), then bisect."""
+@dataclass
+class Capacity:
+    """One system's capacity search: the largest passing step and the first failing one
+    above it (the bisection's ends), every step run, and the fixed light-load step."""
+
+    best: Step | None = None
+    fail: Step | None = None
+    steps: list[Step] = field(default_factory=list)
+    light: Step | None = None
+
+    @property
+    def busy(self) -> bool:
+        """The machine was busy before a step that decides the capacity."""
+        return any(step is not None and step.busy for step in (self.best, self.fail))
+
+
+async def capacity(env: Env, system: System) -> Capacity:
+    """The light-load step, then: double N until a step fails (halve while the first
+    fails), then bisect until the two ends are within RESOLUTION (``refine`` steps at most)."""
+    plan = env.plan
+    found = Capacity()
+    print(STEP_HEADER, flush=True)
+    if plan.light and not plan.steps:
+        found.light = await capacity_step(env, system, plan.light)
+        found.steps.append(found.light)
+    if plan.steps:
+        found.steps = [await capacity_step(env, system, n) for n in plan.steps]
+        found.best = max((s for s in found.steps if s.ok), key=lambda s: s.streams, default=None)
+        return found
+    await _bracket(env, system, found)
+    for _ in range(plan.refine):
+        if found.best is None or found.fail is None:
+            break
+        low, high = found.best.streams, found.fail.streams
+        mid = nice((low + high) // 2)
+        if high - low <= max(grain(low), RESOLUTION * low) or mid in (low, high):
+            break
+        found.steps.append(await capacity_step(env, system, mid))
+        if found.steps[-1].ok:
+            found.best = found.steps[-1]
+        else:
+            found.fail = found.steps[-1]
+    return found
+
+
+async def _bracket(env: Env, system: System, found: Capacity) -> None:
+    """Double N from the start until a step fails, halving while the first ones fail."""
     plan = env.plan
     n = plan.start_ours if system.name == "ours" else plan.start_peer
-    steps: list[Step] = []
-    best: Step | None = None
-    fail: int | None = None
-    print(STEP_HEADER, flush=True)
-    if plan.steps:
-        steps = [await capacity_step(env, system, n) for n in plan.steps]
-        return max((s for s in steps if s.ok), key=lambda s: s.streams, default=None), steps
     while 1 <= n <= plan.max_streams:
-        steps.append(await capacity_step(env, system, n))
-        if steps[-1].ok:
-            best, n = steps[-1], n * 2
+        step = await capacity_step(env, system, n)
+        found.steps.append(step)
+        if step.ok:
+            found.best, n = step, n * 2
         else:
-            fail, n = n, n // 2
-        if best is not None and fail is not None:
-            break
-    for _ in range(plan.refine):
-        if best is None or fail is None:
-            break
-        mid = nice((best.streams + fail) // 2)
-        if mid in (best.streams, fail):
-            break
-        steps.append(await capacity_step(env, system, mid))
-        best, fail = (steps[-1], fail) if steps[-1].ok else (best, mid)
-    return best, steps
+            found.fail, n = step, n // 2
+        if found.best is not None and found.fail is not None:
+            return
+
+
+def grain(n: int) -> int:
+    return 25 if n >= 200 else 5 if n >= 20 else 1
 
 
 def nice(n: int) -> int:
-    grain = 25 if n >= 200 else 5 if n >= 20 else 1
-    return n // grain * grain
+    return n // grain(n) * grain(n)
 
 
 # --- the report ---------------------------------------------------------------------------
@@ -963,8 +1038,10 @@ def _throughput_rows(a: Throughput | None, b: Throughput | None) -> list[Row]:
 
 
 def _capacity_rows(
-    a: Step | None, b: Step | None, plan: Plan, label: str, target: float
+    ours: Capacity | None, peer: Capacity | None, plan: Plan, label: str, target: float
 ) -> list[Row]:
+    a, b = (ours.best if ours else None), (peer.best if peer else None)
+
     def streams(step: Step | None) -> str:
         if step is None:
             return "0"
@@ -973,22 +1050,69 @@ def _capacity_rows(
     n = _ratio(a.streams if a else None, b.streams if b else None, target)
     if a is not None and a.streams * 2 > plan.max_streams:
         n = (f">={n[0]}", "lower bound (--max-streams)") if n[0] else n
+    if n[0] and any(c is not None and c.busy for c in (ours, peer)):
+        n = (f"({n[0]})", "not judged: machine busy before a deciding step")
     us = _ratio(b.cpu_per_token if b else None, a.cpu_per_token if a else None, 8 if target else 0)
     rows = [
         (f"{label}: streams at p99 <= 50ms", streams(a), streams(b), n[0],
          f">= {target:g}x" if target else "", n[1]),
+        ("  between (passed..failed)", _between(ours), _between(peer), "", "", ""),
         ("  p99 there (ms)", _ms(a), _ms(b), "", "", ""),
+        ("  XADD p99 there (ms)", _xadd(a), _xadd(b), "", "<= p99/2", _half(a)),
         ("  worker CPU per token there (us)", _us(a), _us(b), us[0],
          ">= 8x" if target else "", us[1] + (" (peer / ours)" if us[1] else "")),
         ("  worker busy there (one core)", _busy(a), _busy(b), "", "", ""),
         ("  peak RSS there (MiB)", _mib(a), _mib(b), "", "", ""),
     ]  # fmt: skip
     if target and a is not None:
-        ok = a.cpu_per_token * 1e6 <= 40
         rows.append(
-            ("  ours <= 40 us CPU per token", _us(a), "", "", "<= 40", "met" if ok else "MISSED")
+            ("  ours <= 25 us CPU per token there", _us(a), "", "", "<= 25", _at_most(a, 25))
         )
+    return rows + _light_rows(ours, peer, plan, bool(target))
+
+
+def _light_rows(ours: Capacity | None, peer: Capacity | None, plan: Plan, judge: bool) -> list[Row]:
+    """The fixed light-load step, and the CPU per token of every step from it up."""
+    a, b = (ours.light if ours else None), (peer.light if peer else None)
+    if a is None and b is None:
+        return []
+    us = _ratio(b.cpu_per_token if b else None, a.cpu_per_token if a else None, 0)
+    rows = [
+        (f"  at {plan.light} streams: CPU per token (us)", _us(a), _us(b), us[0],
+         "<= 40" if judge else "", _at_most(a, 40) if judge else ""),
+        (f"  at {plan.light} streams: p99 (ms)", _ms(a), _ms(b), "", "", ""),
+    ]  # fmt: skip
+    if judge and ours is not None:
+        every = [s for s in ours.steps if s.streams >= plan.light and s.ok]
+        worst = max(every, key=lambda s: s.cpu_per_token, default=None)
+        rows.append(
+            (f"  ours, worst passing step >= {plan.light}", _us(worst), "", "", "<= 40",
+             _at_most(worst, 40) + (f" ({worst.streams} streams)" if worst else ""))
+        )  # fmt: skip
     return rows
+
+
+def _between(found: Capacity | None) -> str:
+    if found is None or found.best is None:
+        return "-"
+    return f"{found.best.streams}..{found.fail.streams if found.fail else '?'}"
+
+
+def _at_most(step: Step | None, bound: float) -> str:
+    if step is None:
+        return ""
+    verdict = "met" if step.cpu_per_token * 1e6 <= bound else "MISSED"
+    return verdict + (" (busy)" if step.busy else "")
+
+
+def _xadd(step: Step | None) -> str:
+    return f"{step.p99_written * 1000:.1f}" if step else "-"
+
+
+def _half(step: Step | None) -> str:
+    if step is None or math.isnan(step.p99_written):
+        return ""
+    return "met" if step.p99_written <= step.p99 / 2 else "MISSED"
 
 
 def _memory_rows(a: Memory | None, b: Memory | None) -> list[Row]:
@@ -1072,10 +1196,9 @@ async def run_phases(
         for system in systems:
             print(f"{phase}: {system.label}", flush=True)
             over_tls.quiet_budget = env.quiet_budget
-            best, steps = await capacity(phase_env, system)
+            found = await capacity(phase_env, system)
             env.quiet_budget = phase_env.quiet_budget
-            results[system.name][phase] = best
-            results[system.name][phase + "-steps"] = steps
+            results[system.name][phase] = found
     for system in systems if "memory" in plan.phases else []:
         results[system.name]["memory"] = await memory(env, system)
     if "cluster" in plan.phases and any(system.name == "ours" for system in systems):
@@ -1095,6 +1218,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
         " five), coalesced (extra: capacity with a coalescing mock)",
     )
     parser.add_argument("--duration", type=float, help="seconds of streaming per step")
+    parser.add_argument("--rate", type=float, help="tokens/s per stream in the capacity steps")
     parser.add_argument("--start", type=int, help="first capacity step (both systems)")
     parser.add_argument("--max-streams", type=int, help="largest capacity step to try")
     parser.add_argument("--steps", help="comma-separated capacity steps to run (no search)")
@@ -1107,34 +1231,29 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Plan]:
     parser.add_argument("--verbose", action="store_true", help="per-second late tokens per step")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else Plan()
-    overrides: dict[str, Any] = {}
-    if args.duration:
-        overrides["duration"] = args.duration
+    overrides = _overrides(args)
+    unknown = set(overrides.get("phases", ())) - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phases {sorted(unknown)}")
+    return args, Plan(**{**plan.__dict__, **overrides})
+
+
+PHASES = ("throughput", "capacity", "tls", "memory", "coalesced", "cluster")
+SIMPLE_OPTIONS = ("duration", "rate", "consumers", "verbose", "max_streams", "chatstream")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The Plan fields the command line sets."""
+    overrides: dict[str, Any] = {
+        name: getattr(args, name) for name in SIMPLE_OPTIONS if getattr(args, name)
+    }
     if args.start:
         overrides["start_ours"] = overrides["start_peer"] = args.start
-    if args.consumers:
-        overrides["consumers"] = args.consumers
-    if args.verbose:
-        overrides["verbose"] = True
-    if args.max_streams:
-        overrides["max_streams"] = args.max_streams
-    if args.chatstream:
-        overrides["chatstream"] = args.chatstream
     if args.steps:
         overrides["steps"] = tuple(int(n) for n in args.steps.split(","))
     if args.phase:
         overrides["phases"] = tuple(args.phase.split(","))
-        unknown = set(overrides["phases"]) - {
-            "throughput",
-            "capacity",
-            "tls",
-            "memory",
-            "coalesced",
-            "cluster",
-        }
-        if unknown:
-            parser.error(f"unknown phases {sorted(unknown)}")
-    return args, Plan(**{**plan.__dict__, **overrides})
+    return overrides
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -1150,7 +1269,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     systems: list[System] = [s for s in (Ours(), Peer()) if args.only in (None, s.name)]
     logs = Path(tempfile.mkdtemp(prefix="bench-worker-"))
     background = machine_load()
-    print(f"machine: {os.cpu_count()} CPUs, {background:.0%} busy before the run", flush=True)
+    print(
+        f"machine: {os.cpu_count()} CPUs, {background:.0%} busy before the run, 1-minute load"
+        f" {os.getloadavg()[0]:.2f}; a step is BUSY (no ratio from it) when other processes"
+        f" used more than {BUSY:.0%} of the machine in the second before it",
+        flush=True,
+    )
     if background > 0.1:
         print("warning: other processes are using the CPU; the figures will be lower", flush=True)
     began = time.monotonic()

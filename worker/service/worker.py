@@ -34,6 +34,7 @@ from worker.service.notices import WaitingNotices
 from worker.service.pipeline import Attempt, Services, run_job
 from worker.service.runtime import default_upstream_unset, startup_summary
 from worker.service.slots import Slots
+from worker.service.ticks import WakeCoalescer
 from worker.service.tracing import NoTracing, tracing_for_process
 from worker.service.upkeep import Upkeep
 from worker.settings import Settings
@@ -109,6 +110,7 @@ class Worker:
         self.fate = EntryFate(self.queue, self.records, self.replication, self.keys, self.metrics)
         self.limits = FleetLimits(settings, self.queue.scheduler)
         self.upkeep = Upkeep(self)
+        self.ticks = WakeCoalescer(settings.wake_tick_ms / 1000, lambda: bool(self.running))
         self.running: dict[str, HeldEntry] = {}
         self.processed = 0
         self.stopping = asyncio.Event()
@@ -183,6 +185,7 @@ class Worker:
         await self.queue.close()
         await self.fate.hand_back_unstarted(max_idle_ms=self._lease_ms * 2 // 3)
         await cancel_and_wait(self._background)
+        self.ticks.stop()
         await self.publisher.stop()
         await self.replication.aclose()
         await self._leave()
@@ -300,6 +303,7 @@ class Worker:
         if entry.ref in self.running:
             return  # our own entry, reclaimed by us after a stall: its task still runs it
         task = asyncio.create_task(self._handle(entry), name=f"job-{entry.job_id}")
+        self.ticks.resume()
         # registered before it runs, so its lease is renewed from the first moment
         self.running[entry.ref] = HeldEntry(entry, task)
 

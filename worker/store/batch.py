@@ -82,7 +82,7 @@ class ConnectionSender:
                 if not connection.is_connected:  # connect(): a Sentinel's finds the master
                     await connection.connect()  # type: ignore[no-untyped-call]
                 await connection.send_packed_command(self._pack(commands), check_health=False)
-                return [await _reply(connection) for _ in commands]
+                return await _replies(connection, len(commands))
         except TimeoutError:
             await connection.disconnect(nowait=True)
             raise RedisTimeoutError(
@@ -97,11 +97,16 @@ class ConnectionSender:
         await self._connection.disconnect()
 
 
-async def _reply(connection: AbstractConnection) -> Any:
-    try:
-        return await connection.read_response(disable_decoding=True)
-    except ResponseError as exc:  # refused: the others' replies still follow
-        return exc
+async def _replies(connection: AbstractConnection, count: int) -> list[Any]:
+    """``count`` replies in order (one coroutine for all: the per-reply cost is the parser's)."""
+    replies: list[Any] = []
+    read = connection.read_response
+    for _ in range(count):
+        try:
+            replies.append(await read(disable_decoding=True))
+        except ResponseError as exc:  # refused: the others' replies still follow
+            replies.append(exc)
+    return replies
 
 
 def packer(connection: AbstractConnection, parser_class: type[Any]) -> Packer:

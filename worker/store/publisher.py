@@ -237,6 +237,10 @@ class Publisher:
                 log.exception("publish failed unexpectedly, retrying")
                 self._retry_later(batch, exc)
             self._round_trip_done.set()
+            # The reply came with the reads of the same poll; their tasks are queued
+            # behind this one: let them fold and publish first, so their deltas share
+            # the next round trip instead of waiting for the one after.
+            await asyncio.sleep(0)
 
     async def _next_batch(self) -> list[JobStream]:
         """The jobs due for a round trip (at most ``max_batch``), waiting for one if none.
@@ -260,9 +264,11 @@ class Publisher:
                     next_due = stream.due
             if batch:
                 return batch
-            timeout = None if next_due is None else next_due - now
+            if next_due is None:  # (no timeout scope: one fewer timer per round trip)
+                await self._wake.wait()
+                continue
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(next_due - now):
                     await self._wake.wait()
             except TimeoutError:
                 pass

@@ -1,0 +1,77 @@
+"""Wake-up coalescing: while jobs run, the event loop polls at most once per tick.
+
+At one upstream event per read, a lightly loaded worker wakes up for nearly every token:
+each read, each Redis reply and each pacing timer arrives on its own, and on a VM a
+wake-up from idle (the sleep, the context switch back, cold caches) costs more CPU than
+the token's own work (docs/decisions.md, 60). :class:`WakeCoalescer` keeps one callback
+in the loop's ready queue while jobs run: it ends each pass of the loop by sleeping out
+what is left of the tick, so everything that arrived meanwhile (reads of many streams,
+the publisher's reply, due timers) is handled in one wake-up. A pass that took the whole
+tick (a busy loop) sleeps not at all, so at high load nothing changes; when no job runs,
+the callback stops and the loop blocks in its poll as before. What it costs: a read or a
+timer waits at most one tick longer before it is handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+EMPTY_PASS = 15e-6  # a pass of the loop shorter than this ran nothing but its poll
+
+
+class WakeCoalescer:
+    def __init__(
+        self,
+        tick: float,
+        active: Callable[[], bool],
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """``tick`` seconds (0: off); ``active()`` says whether jobs run (else it stops).
+        ``clock`` and ``sleep`` are the blocking ones (tests pass fakes)."""
+        self._tick = tick
+        self._active = active
+        self._clock = clock
+        self._sleep = sleep
+        self._handle: asyncio.Handle | None = None
+        self._ran_at = 0.0  # monotonic time at which the previous pass's callback returned
+        self._tick_began = 0.0  # ... at which the last sleep ended
+        self.sleeps = 0  # how often the loop was put to sleep (tests)
+
+    def resume(self) -> None:
+        """Start pacing the loop (idempotent); called whenever a job starts."""
+        if self._tick > 0 and self._handle is None:
+            self._ran_at = self._tick_began = self._clock()
+            self._handle = asyncio.get_running_loop().call_soon(self._pace)
+
+    @property
+    def running(self) -> bool:
+        return self._handle is not None
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _pace(self) -> None:
+        """Once per pass of the loop: sleep out the tick when the loop has gone idle.
+
+        The callback re-queues itself, so the loop never blocks in its poll; a pass in
+        which nothing but this callback ran (a chain of wake-ups, read -> fold -> publish
+        -> the round trip's write, has ended) is when the loop would block: it sleeps
+        there instead, until one tick after the previous sleep ended."""
+        if not self._active():
+            self._handle = None
+            return
+        now = self._clock()
+        if now - self._ran_at < EMPTY_PASS:
+            wait = self._tick_began + self._tick - now
+            if wait > 0:
+                self._sleep(wait)
+                self.sleeps += 1
+                now = self._clock()
+            self._tick_began = now
+        self._handle = asyncio.get_running_loop().call_soon(self._pace)
+        self._ran_at = self._clock()
