@@ -48,6 +48,24 @@ def lines(stream: io.StringIO) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stream.getvalue().splitlines()]
 
 
+async def start_up_line(
+    configured: Settings, redis: Redis, root: logging.Logger, name: str
+) -> tuple[dict[str, Any], io.StringIO]:
+    """The JSON start-up line of a worker started and stopped with ``configured``, and all
+    that worker logged."""
+    stream = io.StringIO()
+    handler = logs.build_handler(configured, stream)
+    root.addHandler(handler)
+    worker = Worker(configured, redis, name=name)
+    try:
+        await worker.startup()
+        await worker.shutdown()
+    finally:
+        root.removeHandler(handler)
+    [line] = [x for x in lines(stream) if " started: " in x["message"]]
+    return line, stream
+
+
 def emit(handler: logging.Handler, message: str, *args: object, exc: bool = False) -> None:
     logger = logging.getLogger("chatstream.unit")
     logger.addHandler(handler)
@@ -182,16 +200,7 @@ async def test_a_one_letter_key_leaves_the_start_up_line_readable(
         upstream_url="https://mock.example/v1",
         upstream_api_key=SecretStr("x"),
     )
-    stream = io.StringIO()
-    handler = logs.build_handler(configured, stream)
-    root_debug.addHandler(handler)
-    worker = Worker(configured, redis, name="w-short-key")
-    try:
-        await worker.startup()
-        await worker.shutdown()
-    finally:
-        root_debug.removeHandler(handler)
-    [line] = [x for x in lines(stream) if " started: " in x["message"]]
+    line, _ = await start_up_line(configured, redis, root_debug, "w-short-key")
     assert "prefix=cs upstreams: default=https://mock.example/v1 " in line["message"]
 
 
@@ -383,16 +392,7 @@ async def test_the_start_up_line_describes_the_configuration_without_secrets(
         concurrency=17,
         lease_seconds=12,
     )
-    stream = io.StringIO()
-    handler = logs.build_handler(configured, stream)
-    root_debug.addHandler(handler)
-    worker = Worker(configured, redis, name="w-startup")
-    try:
-        await worker.startup()
-        await worker.shutdown()
-    finally:
-        root_debug.removeHandler(handler)
-    [line] = [x for x in lines(stream) if " started: " in x["message"]]
+    line, stream = await start_up_line(configured, redis, root_debug, "w-startup")
     assert line["level"] == "INFO" and line["logger"] == "chatstream.worker"
     assert line["message"] == (
         "worker w-startup started: redis chatstream@redis.internal:6380/2 tls=on "
