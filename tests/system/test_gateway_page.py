@@ -156,3 +156,38 @@ async def test_the_page_shows_the_models_refusal_and_a_reload_resumes_it(
         assert record.refusal == "I can't help with that:" + "".join(REFUSAL_WORDS)
         assert await text(page, "#reply") == "" and record.content == ""
         await page.close()
+
+
+async def test_the_page_says_why_its_job_waits(
+    settings: Settings, redis: Redis, browser: Browser, unused_tcp_port: int
+) -> None:
+    """The worker's upstream refuses connections: the job's ``waiting`` entries reach the
+    page (``?progress=events``), which shows what the job waits for instead of 'queued'."""
+    closed = f"http://127.0.0.1:{unused_tcp_port}/v1"  # nothing listens there
+    app = MockUpstream(SLOW)
+    async with (
+        serve_mock(app=app) as url,
+        running_gateway(
+            settings,
+            redis,
+            (app, url),
+            upstream_url=closed,
+            retry_attempts=None,  # the product's default: wait the outage out
+            retry_initial_backoff=0.5,
+            retry_max_backoff=2.0,
+            job_timeout=15.0,
+        ) as env,
+    ):
+        page = await browser.new_page()
+        await page.goto(f"{env.url}/#key={KEY}&model=mock-model")
+        await page.fill("#prompt", "Is anybody there?")
+        await page.click("#send")
+        status = page.locator("#status")
+        await expect(status).to_have_text(
+            re.compile(r"^waiting: upstream 'default' down for \d+ s .*\(job [0-9a-f]+\)$"),
+            timeout=20_000,
+        )
+        job_id = (await text(page, "#status")).split("job ")[-1].rstrip(")")
+        rows: Any = await redis.xrange(env.client.keys.events(job_id))
+        assert [fields["type"] for _, fields in rows][:1] == ["waiting"]
+        await page.close()
