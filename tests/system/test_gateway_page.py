@@ -184,7 +184,7 @@ async def test_the_page_says_why_its_job_waits(
         await page.click("#send")
         status = page.locator("#status")
         await expect(status).to_have_text(
-            re.compile(r"^waiting: upstream 'default' down for \d+ s .*\(job [0-9a-f]+\)$"),
+            re.compile(r"^waiting: upstream 'default' down for [0-9.]+ s .*\(job [0-9a-f]+\)$"),
             timeout=20_000,
         )
         job_id = (await text(page, "#status")).split("job ")[-1].rstrip(")")
