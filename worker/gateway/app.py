@@ -31,6 +31,7 @@ from worker.gateway.core import (
     cancel_on_disconnect,
     error_response,
     include_usage,
+    job_headers,
     native_frames,
     openai_frames,
     resume_cursor,
@@ -140,10 +141,7 @@ async def chat_completions(request: Request) -> Response | EventStream:
     slot = None if respond_async else gateway.slots.take(key.id)  # before the job exists
     try:
         info = await gateway.submit(key, body, idempotency_key(request), priority_of(request))
-        headers = {
-            "x-chatstream-job-id": info.job_id,
-            "x-chatstream-events-token": key.events_token(info.job_id),
-        }
+        headers = job_headers(key, info.job_id)
         if slot is None:
             return JSONResponse(
                 accepted_job(info.job_id, headers), status_code=202, headers=headers

@@ -425,6 +425,11 @@ async def native_frames(batches: AsyncGenerator[list[Row], None]) -> AsyncGenera
 # -- helpers --------------------------------------------------------------------------------
 
 
+def job_headers(key: ApiKey, job_id: str) -> dict[str, str]:
+    """The headers of a new job's reply: its id and the token its events URL carries."""
+    return {"x-chatstream-job-id": job_id, "x-chatstream-events-token": key.events_token(job_id)}
+
+
 def include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True

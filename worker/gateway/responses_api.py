@@ -33,6 +33,7 @@ from worker.gateway.core import (
     cancel_on_disconnect,
     failed_before_output,
     job_error_response,
+    job_headers,
 )
 from worker.gateway.hub import JobFeed, Row
 from worker.gateway.limits import Slot
@@ -79,10 +80,7 @@ async def create(
     try:
         info = await gateway.submit(key, wanted.chat, idem)
         job = ResponseJob(info, await _attach(gateway, info, body, wanted.echo))
-        headers = {
-            "x-chatstream-job-id": info.job_id,
-            "x-chatstream-events-token": key.events_token(info.job_id),
-        }
+        headers = job_headers(key, info.job_id)
         if slot is None:
             return JSONResponse(await snapshot(gateway, job), headers=headers)
         if not wanted.stream:
