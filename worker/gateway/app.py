@@ -236,7 +236,9 @@ async def create_response(request: Request) -> Response | EventStream:
     gateway = gateway_of(request)
     key = gateway.authenticate(request)
     body = await read_json(request, gateway.settings.gateway_max_body_bytes)
-    return await responses_api.create(gateway, request, key, body, idempotency_key(request))
+    return await responses_api.create(
+        gateway, request, key, body, idempotency_key(request), priority_of(request)
+    )
 
 
 async def retrieve_response(request: Request) -> Response | EventStream:

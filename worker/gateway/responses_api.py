@@ -23,6 +23,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from schemas.requests import Priority
 from worker.errors import JobNotFoundError
 from worker.gateway.auth import ApiKey
 from worker.gateway.core import (
@@ -68,7 +69,12 @@ def response_not_found(response_id: str) -> GatewayError:
 
 
 async def create(
-    gateway: Gateway, request: Request, key: ApiKey, body: dict[str, Any], idem: str | None
+    gateway: Gateway,
+    request: Request,
+    key: ApiKey,
+    body: dict[str, Any],
+    idem: str | None,
+    priority: Priority = "normal",
 ) -> Response | EventStream:
     """``POST /v1/responses``: a stream, the final object, or (background) the queued one."""
     try:
@@ -78,7 +84,7 @@ async def create(
     waits = wanted.stream or not wanted.background
     slot = gateway.slots.take(key.id) if waits else None  # before the job exists
     try:
-        info = await gateway.submit(key, wanted.chat, idem)
+        info = await gateway.submit(key, wanted.chat, idem, priority)
         job = ResponseJob(info, await _attach(gateway, info, body, wanted.echo))
         headers = job_headers(key, info.job_id)
         if slot is None:

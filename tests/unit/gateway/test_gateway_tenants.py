@@ -1,9 +1,11 @@
 """The gateway's tenants: a key's jobs belong to the tenant named beside it (else to its
-id), ``X-Chatstream-Priority`` orders them, and a full tenant queue is a 429."""
+id), ``X-Chatstream-Priority`` orders them (on both the chat and the Responses endpoint),
+and a full tenant queue is a 429."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from pydantic import SecretStr
@@ -18,8 +20,10 @@ from worker.store.scheduler import config_fields
 from worker.testing.mock_upstream import MockUpstream
 
 COMPLETIONS = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 ASYNC = {"prefer": "respond-async"}
 BODY = {**chat("hi"), "stream": True}
+BACKGROUND = {"model": "mock-model", "input": "hi", "background": True}
 
 
 @pytest.fixture
@@ -57,11 +61,23 @@ async def test_a_keys_jobs_belong_to_its_tenant_and_carry_their_priority(
     assert (other.tenant, other.priority) == (other_id, "normal")
 
 
-async def test_a_bad_priority_is_a_400(named: GatewayEnv) -> None:
+async def test_a_background_response_carries_its_priority(named: GatewayEnv) -> None:
+    async with named.http(KEY, **{"x-chatstream-priority": "low"}) as http:
+        response = await http.post(RESPONSES, json=BACKGROUND)
+    assert response.status_code == 200, response.text
+    record = await named.client.get(response.headers["x-chatstream-job-id"])
+    assert (record.tenant, record.priority) == ("acme", "low")
+
+
+@pytest.mark.parametrize(("path", "body"), [(COMPLETIONS, BODY), (RESPONSES, BACKGROUND)])
+async def test_a_bad_priority_is_a_400_and_creates_no_job(
+    named: GatewayEnv, path: str, body: dict[str, Any]
+) -> None:
     async with named.http(KEY, **ASYNC, **{"x-chatstream-priority": "urgent"}) as http:
-        response = await http.post(COMPLETIONS, json=BODY)
+        response = await http.post(path, json=body)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_priority"
+    assert await named.redis.keys(named.client.keys.job("*")) == []
 
 
 async def test_a_full_tenant_queue_is_a_429_with_retry_after(named: GatewayEnv) -> None:
