@@ -18,6 +18,7 @@ what is unset.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -123,23 +124,19 @@ def context_fields() -> dict[str, str]:
     without an active span. ``Client.enqueue`` stores it with the job."""
     if _API not in sys.modules or sdk_disabled():
         return {}
-    from opentelemetry.baggage.propagation import W3CBaggagePropagator
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
+    trace_context, baggage = _propagators()
     carrier: dict[str, str] = {}
-    TraceContextTextMapPropagator().inject(carrier)
+    trace_context.inject(carrier)
     if carrier:
-        W3CBaggagePropagator().inject(carrier)
+        baggage.inject(carrier)
     return {name: carrier[name] for name in TRACE_FIELDS if carrier.get(name)}
 
 
 def job_context(carrier: Mapping[str, str]) -> Any:
     """The OpenTelemetry context of a stored trace context (an empty one without it)."""
-    from opentelemetry.baggage.propagation import W3CBaggagePropagator
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    context = TraceContextTextMapPropagator().extract(carrier)
-    return W3CBaggagePropagator().extract(carrier, context)
+    trace_context, baggage = _propagators()
+    context = trace_context.extract(carrier)
+    return baggage.extract(carrier, context) if "baggage" in carrier else context
 
 
 def inject_upstream(headers: MutableMapping[str, str], *, baggage: bool = False) -> None:
@@ -147,24 +144,29 @@ def inject_upstream(headers: MutableMapping[str, str], *, baggage: bool = False)
     the W3C ``baggage`` only when the upstream's ``forward_baggage`` opts in."""
     if _API not in sys.modules:
         return
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    TraceContextTextMapPropagator().inject(headers)
+    trace_context, baggage_propagator = _propagators()
+    trace_context.inject(headers)
     if baggage and "traceparent" in headers:
-        from opentelemetry.baggage.propagation import W3CBaggagePropagator
-
-        W3CBaggagePropagator().inject(headers)
+        baggage_propagator.inject(headers)
 
 
-def traceparent() -> str | None:
-    """The active span's ``traceparent``, for a consumer to link its own span to."""
-    if _API not in sys.modules:
+def traceparent(span: Any) -> str | None:
+    """A span's W3C ``traceparent`` (None for an invalid one), for a consumer to link its
+    own span to."""
+    context = span.get_span_context()
+    if not context.is_valid:
         return None
-    carrier: dict[str, str] = {}
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+@functools.cache
+def _propagators() -> tuple[Any, Any]:
+    """The W3C trace context and baggage propagators (themselves, not the global one:
+    decision 57)."""
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    TraceContextTextMapPropagator().inject(carrier)
-    return carrier.get("traceparent")
+    return TraceContextTextMapPropagator(), W3CBaggagePropagator()
 
 
 def log_ids() -> dict[str, str]:

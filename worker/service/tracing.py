@@ -16,11 +16,12 @@ like the Prometheus labels: a model beyond the first ``metrics_max_models`` is `
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 from urllib.parse import urlsplit
 
 from worker import telemetry
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
 OPERATION = "chat"
 MAX_STATUS_MESSAGE = 300
+MAX_ATTRIBUTE_SETS = 256  # metric attribute sets kept (models are bounded, error codes not)
 # the conventions' advised bucket boundaries: tokens, and seconds (duration and first chunk)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
 SECONDS_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
@@ -93,13 +95,17 @@ class Server:
 
 @dataclass(slots=True)
 class _Traced:
-    """One traced run of an attempt, as its hooks see it (a context variable of its task)."""
+    """One traced run of an attempt, as its hooks see it (a context variable of its task).
+
+    Attributes learnt on the way wait in ``attributes`` and go to the span in one call when
+    the run ends (each SDK call takes a lock and cleans what it gets)."""
 
     span: Span
     server: Server
     request_model: str | None = None
     terminal: Terminal | None = None
-    metric_attributes: dict[str, Any] = field(default_factory=dict)
+    error_type: str | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 _current: ContextVar[_Traced | None] = ContextVar("chatstream_traced_attempt", default=None)
@@ -122,6 +128,10 @@ class Tracing(NoTracing):
         self._settings = settings
         self._labels = metrics
         self._servers: dict[str, Server] = {}
+        self._attribute_sets: dict[tuple[Any, ...], Any] = {}
+        # exemplars (a metric point naming a span) only when the operator picks a filter:
+        # each costs about a third of a record, and the span's attributes hold the same
+        self._exemplars = bool(os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER"))
         version = _version()
         self._tracer = trace.get_tracer(
             "chatstream", version, tracer_provider, schema_url=telemetry.SCHEMA_URL
@@ -160,19 +170,24 @@ class Tracing(NoTracing):
             _start_attributes(job, started, server),
         )
         traced = _Traced(span, server)
-        token = context.attach(trace.set_span_in_context(span, parent))
+        in_span = trace.set_span_in_context(span, parent)
+        token = context.attach(in_span)
         mine = _current.set(traced)
         try:
             outcome = await work()
-            self._finished(traced, job.timing, outcome)
-            return outcome
         except BaseException as exc:
-            _failed(span, exc)
+            _failed(traced, exc)
             raise
+        else:
+            measured = self._finished(traced, job.timing, outcome)
         finally:
             _current.reset(mine)
             context.detach(token)
+            span.set_attributes(traced.attributes)
             span.end()
+        if measured:  # outside the span: no exemplar unless asked for (decision 64)
+            self._record(traced, job.timing, in_span if self._exemplars else None)
+        return outcome
 
     def server(self, upstream: str) -> Server:
         """The upstream's provider and address (an unknown name: the provider ``openai``)."""
@@ -194,8 +209,8 @@ class Tracing(NoTracing):
         if isinstance(model, str):
             traced.request_model = model
             traced.span.update_name(f"{OPERATION} {model}")
-            traced.span.set_attribute("gen_ai.request.model", model)
-        traced.span.set_attributes(request_attributes(body))
+            traced.attributes["gen_ai.request.model"] = model
+        traced.attributes.update(request_attributes(body))
 
     def retried(self, stage: str, exc: BaseException, wait: float | None = None) -> None:
         traced = _current.get()
@@ -211,54 +226,78 @@ class Tracing(NoTracing):
         if traced is None:
             return
         traced.span.add_event("chatstream.reset", {"chatstream.job.attempt": attempt})
-        traced.span.set_attribute("chatstream.job.attempt", attempt)
+        traced.attributes["chatstream.job.attempt"] = attempt
 
     def ending(self, terminal: Terminal) -> None:
         traced = _current.get()
         if traced is None:
             return
         traced.terminal = terminal
-        link = telemetry.traceparent()
+        link = telemetry.traceparent(traced.span)
         if link is not None:
             terminal.event_data["traceparent"] = link  # a consumer links its span to ours
 
     # -- the end of the attempt ---------------------------------------------------------
 
-    def _finished(self, traced: _Traced, timing: JobTiming, outcome: Outcome) -> None:
-        span, terminal = traced.span, traced.terminal
-        _timing_attributes(span, timing)
+    def _finished(self, traced: _Traced, timing: JobTiming, outcome: Outcome) -> bool:
+        """The span's attributes, events and status of a run that returned; whether it has
+        the GenAI metrics (it wrote a terminal state)."""
+        span, terminal, attributes = traced.span, traced.terminal, traced.attributes
+        _timing_attributes(traced, timing)
         if outcome.value != "finished" or terminal is None:
-            span.set_attribute("chatstream.job.status", outcome.value)  # stale | released
+            attributes["chatstream.job.status"] = outcome.value  # stale | released
             if outcome.value == "released":
                 span.add_event("chatstream.released")
-            return
+            return False
         status = terminal.fields["status"]
-        span.set_attributes(response_attributes(terminal))
+        attributes.update(response_attributes(terminal))
         if status == "cancelled":
             span.add_event("chatstream.cancelled")
         error = terminal.event_data.get("error") if status == "failed" else None
         if isinstance(error, dict):
-            _mark_error(span, str(error.get("code", "error")), str(error.get("message", "")))
-        self._record(traced, terminal, timing, error)
+            traced.error_type = str(error.get("code", "error"))
+            _mark_error(traced, traced.error_type, str(error.get("message", "")))
+        return True
 
-    def _record(self, traced: _Traced, terminal: Terminal, timing: JobTiming, error: Any) -> None:
-        """The GenAI client metrics of a finished attempt."""
-        attributes = {"gen_ai.operation.name": OPERATION, **traced.server.attributes()}
-        if traced.request_model is not None:
-            attributes["gen_ai.request.model"] = self._labels.model_label(traced.request_model)
-        if model := terminal.fields.get("model"):
-            attributes["gen_ai.response.model"] = self._labels.model_label(model)
+    def _record(self, traced: _Traced, timing: JobTiming, where: Any) -> None:
+        """The GenAI client metrics of an attempt that wrote its terminal state; ``where``:
+        the context whose span an exemplar names (None: the current one)."""
+        terminal = traced.terminal
+        assert terminal is not None
+        response_model = terminal.fields.get("model") or None
+        tokens, operation = self._metric_attributes(
+            traced.server, traced.request_model, response_model, traced.error_type
+        )
         usage = terminal.event_data.get("usage")
-        for kind, key in (("input", "prompt_tokens"), ("output", "completion_tokens")):
-            count = usage.get(key) if isinstance(usage, dict) else None
-            if isinstance(count, int) and _is_count(count):
-                self._tokens.record(count, {**attributes, "gen_ai.token.type": kind})
-        if isinstance(error, dict):
-            attributes["error.type"] = str(error.get("code", "error"))
+        if isinstance(usage, dict):
+            for kind, key in (("input", "prompt_tokens"), ("output", "completion_tokens")):
+                count = usage.get(key)
+                if _is_count(count):
+                    self._tokens.record(count, tokens[kind], where)
         if timing.first_read is not None:
-            self._first_chunk.record(timing.first_read - timing.started, attributes)
+            self._first_chunk.record(timing.first_read - timing.started, operation, where)
         if terminal.fields["status"] != "cancelled":
-            self._duration.record(time.monotonic() - timing.started, attributes)
+            self._duration.record(time.monotonic() - timing.started, operation, where)
+
+    def _metric_attributes(
+        self, server: Server, request: str | None, response: str | None, error_type: str | None
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """The metric attributes of an attempt: per token type, and of its operation; kept
+        per (server, models, error), as most attempts share them (the SDK copies them)."""
+        key = (server, request, response, error_type)
+        found = self._attribute_sets.get(key)
+        if found is None:
+            base = {"gen_ai.operation.name": OPERATION, **server.attributes()}
+            if request is not None:
+                base["gen_ai.request.model"] = self._labels.model_label(request)
+            if response is not None:
+                base["gen_ai.response.model"] = self._labels.model_label(response)
+            tokens = {kind: {**base, "gen_ai.token.type": kind} for kind in ("input", "output")}
+            operation = base if error_type is None else {**base, "error.type": error_type}
+            if len(self._attribute_sets) >= MAX_ATTRIBUTE_SETS:
+                self._attribute_sets.clear()
+            found = self._attribute_sets[key] = (tokens, operation)
+        return found
 
 
 def tracing_for_process(settings: Settings, metrics: Metrics) -> NoTracing:
@@ -318,37 +357,38 @@ def response_attributes(terminal: Terminal) -> dict[str, Any]:
     return found
 
 
-def _timing_attributes(span: Span, timing: JobTiming) -> None:
+def _timing_attributes(traced: _Traced, timing: JobTiming) -> None:
     """Time waiting for the upstream's first byte; the first token, as an event at its time."""
     if timing.first_read is not None:
         waited = round(timing.first_read - timing.started, 6)
-        span.set_attribute("chatstream.upstream.wait_seconds", waited)
+        traced.attributes["chatstream.upstream.wait_seconds"] = waited
     if timing.first_delta is not None:
         ago = time.monotonic() - timing.first_delta
-        span.add_event("chatstream.first_token", timestamp=time.time_ns() - int(ago * 1e9))
+        stamp = time.time_ns() - int(ago * 1e9)
+        traced.span.add_event("chatstream.first_token", timestamp=stamp)
 
 
-def _mark_error(span: Span, code: str, message: str) -> None:
+def _mark_error(traced: _Traced, code: str, message: str) -> None:
     from opentelemetry.trace import Status, StatusCode
 
-    span.set_attribute("error.type", code)
-    span.set_status(Status(StatusCode.ERROR, message[:MAX_STATUS_MESSAGE]))
+    traced.attributes["error.type"] = code
+    traced.span.set_status(Status(StatusCode.ERROR, message[:MAX_STATUS_MESSAGE]))
 
 
-def _failed(span: Span, exc: BaseException) -> None:
+def _failed(traced: _Traced, exc: BaseException) -> None:
     """The attempt raised (a bug, or the task was cancelled at shutdown)."""
     if isinstance(exc, asyncio.CancelledError):
-        span.set_attribute("chatstream.job.status", "interrupted")
+        traced.attributes["chatstream.job.status"] = "interrupted"
         return
-    span.record_exception(exc)
-    _mark_error(span, type(exc).__qualname__, f"{type(exc).__name__}: {exc}")
+    traced.span.record_exception(exc)
+    _mark_error(traced, type(exc).__qualname__, f"{type(exc).__name__}: {exc}")
 
 
 def _code(exc: BaseException) -> str:
     return exc.code if isinstance(exc, ChatstreamError) else type(exc).__qualname__
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
