@@ -9,11 +9,12 @@ on different key prefixes: ``off`` without any OTEL_* variable, ``on`` exporting
 metrics over OTLP/HTTP to a sink in this process (which answers 200 and counts what it
 gets). Rounds alternate between the two, so a slow phase of the machine hits both alike.
 One round: ``jobs`` jobs of ``tokens`` tokens, enqueued at once; the measure is the
-worker's utime + stime (/proc/<pid>/stat) over the round, per job. The round's measure
-ends ``SETTLE`` seconds after its last job, for both workers: the batch span processor
-exports on its own thread up to its schedule delay later (set to ``EXPORT_DELAY_MS`` here,
-so the export of a round's spans falls inside that round's measure; with the default
-5 s most of it fell into the other worker's round, counted for neither). Two workloads:
+worker's utime + stime (/proc/<pid>/stat) over the round, per job. Both workers run each
+round at once (a slow phase of the machine hits both alike). A round's measure ends
+``SETTLE`` seconds after its last job: the batch span processor exports on its own thread
+up to its schedule delay (5 s) later, and that export belongs to the round; what each
+worker uses when idle (measured over the same time before the rounds: its timers, the
+periodic metric export) is taken out of every round. Two workloads:
 
 unpaced
     the upstream sends as fast as the socket takes it (16 events per write)
@@ -53,8 +54,7 @@ from bench_worker import (
 from redis.asyncio import Redis
 
 TARGET = 0.15  # at most 15% more CPU per job with tracing on
-EXPORT_DELAY_MS = 500  # OTEL_BSP_SCHEDULE_DELAY of the traced worker (the SDK's default: 5000)
-SETTLE = 1.5  # seconds after a round's last job, inside its measure, for both workers
+SETTLE = 5.5  # seconds after a round's last job, inside its measure (the SDK's export delay: 5)
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,11 @@ QUICK = Plan(jobs=40, tokens=200, rate=100.0, rounds=1)
 
 
 class Sink(BaseHTTPRequestHandler):
-    """An OTLP/HTTP endpoint that takes everything and keeps only counts."""
+    """An OTLP/HTTP endpoint that takes everything and keeps only counts; HTTP/1.1 keeps
+    the exporter's connection open, as a collector does (HTTP/1.0 made every export a
+    new connection)."""
 
+    protocol_version = "HTTP/1.1"
     counts: ClassVar[dict[str, int]] = {"requests": 0, "bytes": 0}
 
     def do_POST(self) -> None:
@@ -99,7 +102,13 @@ def otlp_sink() -> Iterator[str]:
 
 
 def start_worker(
-    mode: str, redis_url: str, mock_url: str, endpoint: str, logs: Path, extra: dict[str, str]
+    mode: str,
+    redis_url: str,
+    mock_url: str,
+    endpoint: str,
+    logs: Path,
+    extra: dict[str, str],
+    cpu: int | None = None,
 ) -> Proc:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHATSTREAM_", "OTEL_"))}
     env.update(
@@ -114,11 +123,24 @@ def start_worker(
             OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
             OTEL_SERVICE_NAME="chatstream-bench",
             OTEL_METRIC_EXPORT_INTERVAL="5000",
-            OTEL_BSP_SCHEDULE_DELAY=str(EXPORT_DELAY_MS),
         )
         env.update(extra)
     command = [str(Path(sys.executable).parent / "chatstream"), "worker"]
+    if cpu is not None:  # both workers share one CPU: its slow phases hit both alike
+        command = ["taskset", "-c", str(cpu), *command]
     return spawn(f"worker-{mode}", command, logs, env)
+
+
+async def idle_rates(workers: dict[str, Proc]) -> None:
+    """CPU seconds per second each worker uses with nothing to do, into ``idle``."""
+    before = {mode: cpu_seconds(worker.pid) for mode, worker in workers.items()}
+    await asyncio.sleep(SETTLE * 2)
+    for mode, worker in workers.items():
+        idle[mode] = (cpu_seconds(worker.pid) - before[mode]) / (SETTLE * 2)
+        print(f"  idle {mode:<3}: {idle[mode] * 1000:.1f} ms of CPU per second", flush=True)
+
+
+idle: dict[str, float] = {"on": 0.0, "off": 0.0}
 
 
 async def one_round(
@@ -137,7 +159,7 @@ async def one_round(
     if types != {"done": jobs}:
         raise RuntimeError(f"{mode}: {dict(types)}")
     await asyncio.sleep(SETTLE)  # the round's spans leave through the exporter's thread
-    return (cpu_seconds(worker.pid) - before) / jobs
+    return (cpu_seconds(worker.pid) - before - idle[mode] * SETTLE) / jobs
 
 
 async def workload(
@@ -155,6 +177,7 @@ async def workload(
         return dict(zip(workers, used, strict=True))
 
     await both(f"{name}-warm", 20)
+    await idle_rates(workers)
     for n in range(plan.rounds):
         used = await both(f"{name}{n}", plan.jobs)
         for mode, value in used.items():
@@ -171,12 +194,16 @@ async def run(
     plan: Plan, logs: Path, extra: dict[str, str], only: str | None = None
 ) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
+    cpus = sorted(os.sched_getaffinity(0))
+    worker_cpu = cpus[-1] if len(cpus) > 1 else None
+    if worker_cpu is not None:  # Redis, the upstream, the sink and this loop: the others
+        os.sched_setaffinity(0, set(cpus[:-1]))
     with (
         redis_server(logs) as (redis_url, _),
         mock_upstream(logs) as (mock_url, _),
         otlp_sink() as endpoint,
     ):
-        workers = {mode: start_worker(mode, redis_url, mock_url, endpoint, logs, extra)
+        workers = {mode: start_worker(mode, redis_url, mock_url, endpoint, logs, extra, worker_cpu)
                    for mode in ("off", "on")}  # fmt: skip
         redis = Redis.from_url(redis_url)
         try:
