@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 OPERATION = "chat"
 MAX_STATUS_MESSAGE = 300
+END_BATCH_SECONDS = 0.25  # runs that end within this time end their spans together
 MAX_ATTRIBUTE_SETS = 256  # metric attribute sets kept (models are bounded, error codes not)
 # the conventions' advised bucket boundaries: tokens, and seconds (duration and first chunk)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
@@ -75,6 +76,9 @@ class NoTracing:
     def ending(self, terminal: Terminal) -> None:
         """The terminal write is about to go out; a traced one names its span."""
 
+    def flush(self) -> None:
+        """End the spans of runs that ended (a traced process ends them in batches)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Server:
@@ -102,10 +106,12 @@ class _Traced:
 
     span: Span
     server: Server
+    context: Any  # the OpenTelemetry context with the span
     request_model: str | None = None
     terminal: Terminal | None = None
     error_type: str | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
+    ended: tuple[int, float] = (0, 0.0)  # when the run ended: time_ns, monotonic
 
 
 _current: ContextVar[_Traced | None] = ContextVar("chatstream_traced_attempt", default=None)
@@ -129,6 +135,8 @@ class Tracing(NoTracing):
         self._labels = metrics
         self._servers: dict[str, Server] = {}
         self._attribute_sets: dict[tuple[Any, ...], Any] = {}
+        self._ending: list[tuple[_Traced, JobTiming, Outcome | None]] = []
+        self._flush_at: asyncio.TimerHandle | None = None
         # exemplars (a metric point naming a span) only when the operator picks a filter:
         # each costs about a third of a record, and the span's attributes hold the same
         self._exemplars = bool(os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER"))
@@ -169,25 +177,44 @@ class Tracing(NoTracing):
             trace.SpanKind.CLIENT,
             _start_attributes(job, started, server),
         )
-        traced = _Traced(span, server)
         in_span = trace.set_span_in_context(span, parent)
+        traced = _Traced(span, server, in_span)
         token = context.attach(in_span)
         mine = _current.set(traced)
         try:
             outcome = await work()
         except BaseException as exc:
             _failed(traced, exc)
+            self._end(traced, job.timing, None)
             raise
-        else:
-            measured = self._finished(traced, job.timing, outcome)
         finally:
             _current.reset(mine)
             context.detach(token)
-            span.set_attributes(traced.attributes)
-            span.end()
-        if measured:  # outside the span: no exemplar unless asked for (decision 64)
-            self._record(traced, job.timing, in_span if self._exemplars else None)
+        self._end(traced, job.timing, outcome)
         return outcome
+
+    def _end(self, traced: _Traced, timing: JobTiming, outcome: Outcome | None) -> None:
+        """The run is over: its span ends (at this time) and its metrics are recorded with
+        the others that end within ``END_BATCH_SECONDS`` (decision 63)."""
+        traced.ended = (time.time_ns(), time.monotonic())
+        self._ending.append((traced, timing, outcome))
+        if self._flush_at is None:
+            loop = asyncio.get_running_loop()
+            self._flush_at = loop.call_later(END_BATCH_SECONDS, self.flush)
+
+    def flush(self) -> None:
+        """End the spans of the runs that ended since the last flush and record their
+        metrics (also called at shutdown, before the exporters' last export)."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        ending, self._ending = self._ending, []
+        for traced, timing, outcome in ending:
+            measured = outcome is not None and self._finished(traced, timing, outcome)
+            traced.span.set_attributes(traced.attributes)
+            traced.span.end(traced.ended[0])
+            if measured:  # without an exemplar unless asked for (decision 63)
+                self._record(traced, timing, traced.context if self._exemplars else None)
 
     def server(self, upstream: str) -> Server:
         """The upstream's provider and address (an unknown name: the provider ``openai``)."""
@@ -247,12 +274,12 @@ class Tracing(NoTracing):
         if outcome.value != "finished" or terminal is None:
             attributes["chatstream.job.status"] = outcome.value  # stale | released
             if outcome.value == "released":
-                span.add_event("chatstream.released")
+                span.add_event("chatstream.released", timestamp=traced.ended[0])
             return False
         status = terminal.fields["status"]
         attributes.update(response_attributes(terminal))
         if status == "cancelled":
-            span.add_event("chatstream.cancelled")
+            span.add_event("chatstream.cancelled", timestamp=traced.ended[0])
         error = terminal.event_data.get("error") if status == "failed" else None
         if isinstance(error, dict):
             traced.error_type = str(error.get("code", "error"))
@@ -277,7 +304,7 @@ class Tracing(NoTracing):
         if timing.first_read is not None:
             self._first_chunk.record(timing.first_read - timing.started, operation, where)
         if terminal.fields["status"] != "cancelled":
-            self._duration.record(time.monotonic() - timing.started, operation, where)
+            self._duration.record(traced.ended[1] - timing.started, operation, where)
 
     def _metric_attributes(
         self, server: Server, request: str | None, response: str | None, error_type: str | None
@@ -363,8 +390,8 @@ def _timing_attributes(traced: _Traced, timing: JobTiming) -> None:
         waited = round(timing.first_read - timing.started, 6)
         traced.attributes["chatstream.upstream.wait_seconds"] = waited
     if timing.first_delta is not None:
-        ago = time.monotonic() - timing.first_delta
-        stamp = time.time_ns() - int(ago * 1e9)
+        ended_ns, ended = traced.ended
+        stamp = ended_ns - int((ended - timing.first_delta) * 1e9)
         traced.span.add_event("chatstream.first_token", timestamp=stamp)
 
 

@@ -192,6 +192,7 @@ class Worker:
         await self.upstream.aclose()
         if self.http is not None:
             await self.http.stop()
+        self.tracing.flush()  # the spans of the last runs end now, before the last export
         log.info("worker %s stopped after %d jobs", self.name, self.processed)
 
     async def run_burst(self, block_ms: int = 50) -> int:

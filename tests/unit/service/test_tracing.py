@@ -8,6 +8,8 @@ process's global ones.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,7 @@ from redis.asyncio import Redis
 from tests.helpers.harness import MOCK, chat
 from worker.client import Client
 from worker.service.metrics import Metrics
-from worker.service.tracing import Tracing
+from worker.service.tracing import END_BATCH_SECONDS, Tracing
 from worker.service.worker import Worker
 from worker.settings import Settings, Upstream
 from worker.testing.mock_upstream import MockUpstream, expected_usage
@@ -46,9 +48,11 @@ class Traced:
     tracer: trace.Tracer
 
     def attempt_spans(self) -> list[ReadableSpan]:
+        self.worker.tracing.flush()  # the spans of runs that ended (they end in batches)
         return [s for s in self.spans.get_finished_spans() if s.kind is SpanKind.CLIENT]
 
     def points(self, name: str) -> list[tuple[dict[str, Any], Any]]:
+        self.worker.tracing.flush()
         data = self.metrics.get_metrics_data()
         assert data is not None
         return [
@@ -201,6 +205,23 @@ async def test_retries_are_span_events(traced: Traced) -> None:
     assert retry.attributes["chatstream.retry.stage"] == "upstream"
     assert retry.attributes["error.type"] == "upstream_retryable"
     assert span.attributes is not None and span.attributes["chatstream.job.status"] == "succeeded"
+
+
+async def test_spans_end_in_batches_at_their_runs_end(traced: Traced) -> None:
+    """A run's span ends (and its metrics are recorded) with the others that end within
+    END_BATCH_SECONDS, stamped with the time its run ended."""
+    job_ids = [await traced.client.enqueue(chat("x", key=str(n))) for n in range(3)]
+    assert await traced.worker.run_burst(block_ms=0) == 3
+    ended = time.time_ns()  # the spans, ended later, carry the times their runs ended
+    await asyncio.sleep(END_BATCH_SECONDS * 2)
+    spans = [s for s in traced.spans.get_finished_spans() if s.kind is SpanKind.CLIENT]
+    assert sorted(str((s.attributes or {})["chatstream.job.id"]) for s in spans) == sorted(job_ids)
+    for span in spans:
+        assert span.end_time is not None and span.end_time <= ended
+        [first] = [e for e in span.events if e.name == "chatstream.first_token"]
+        assert span.start_time is not None and span.start_time < first.timestamp < span.end_time
+    [(_, durations)] = traced.points("gen_ai.client.operation.duration")
+    assert durations.count == 3
 
 
 async def test_an_upstream_that_opts_in_gets_the_baggage(traced: Traced) -> None:
