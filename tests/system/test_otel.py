@@ -214,3 +214,24 @@ async def test_nothing_is_exported_with_the_sdk_disabled(fleet: Fleet) -> None:
         await asyncio.sleep(1)  # two metric export intervals
     assert otlp.requests == 0
     assert "traceparent" not in fleet.mock.request_headers[-1]
+
+
+async def test_a_collector_that_is_down_fails_no_job(fleet: Fleet) -> None:
+    """docs/operations.md: spans and metrics are dropped, jobs are not; the worker still
+    stops with exit 0 (its last export gives up after OTEL_EXPORTER_OTLP_TIMEOUT)."""
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    fleet.env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=down,
+        OTEL_EXPORTER_OTLP_TIMEOUT="1",
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        OTEL_METRIC_EXPORT_INTERVAL="200",
+    )
+    await fleet.start()
+    job_ids = [await fleet.client.enqueue(chat(f"x{n}")) for n in range(3)]
+    for job_id in job_ids:
+        record = await fleet.client.result(job_id, timeout=20)
+        assert record.status == "succeeded"
+        assert record.content == expected_reply(chat(f"x{job_ids.index(job_id)}"), MOCK)
+    assert "traceparent" in fleet.mock.request_headers[-1]  # it traced all the same
+    await asyncio.sleep(1)  # exports tried and failed meanwhile
+    await fleet.stop(timeout=30)

@@ -196,3 +196,43 @@ async def test_the_exporter_sends_its_encoding_to_a_collector(
     assert (span.name, span.kind, span.status_code) == ("chat gpt", 3, 2)
     assert span.attributes == {"gen_ai.operation.name": "chat", "server.port": 443}
     assert span.resource == {"service.name": "a", "n": 1}
+
+
+async def test_without_the_sdks_http_client_the_exporter_is_the_sdks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An SDK release whose exporter has no ``_client``: every export is the SDK's own."""
+    made = Providers()
+    made.make(plain_plan(name="chat m", attributes={"gen_ai.operation.name": "chat"}))
+    async with receiving() as otlp:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.endpoint)
+        exporter = SpanExporter()
+        exporter.encodes = False
+        monkeypatch.setattr(SpanEncoder, "request", _must_not_encode)
+        result = await asyncio.to_thread(exporter.export, made.spans())
+        exporter.shutdown()  # type: ignore[no-untyped-call]  # the SDK's, untyped
+    assert result is SpanExportResult.SUCCESS
+    assert [(s.name, s.attributes) for s in otlp.spans] == [
+        ("chat m", {"gen_ai.operation.name": "chat"})
+    ]
+
+
+def _must_not_encode(self: SpanEncoder, spans: Any) -> bytes:
+    raise AssertionError("chatstream's encoder was used")
+
+
+def test_a_batch_that_fails_to_encode_is_dropped_with_a_log_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    made = Providers()
+    made.make(plain_plan())
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    exporter = SpanExporter()
+    monkeypatch.setattr(SpanEncoder, "request", _fails_to_encode)
+    with caplog.at_level(logging.ERROR):
+        assert exporter.export(made.spans()) is SpanExportResult.FAILURE
+    assert "encoding 1 spans failed" in caplog.text
+
+
+def _fails_to_encode(self: SpanEncoder, spans: Any) -> bytes:
+    raise ValueError("a span nobody can encode")
