@@ -152,6 +152,7 @@ SHARED = {
     "embedded_server",
     "telemetry",
     "telemetry_sdk",
+    "telemetry_spans",
 }
 ALLOWED = {  # besides the shared modules and schemas, which every room may import
     "protocol": set(),
