@@ -110,7 +110,7 @@ async def _many(client: Client, n: int) -> None:
 async def _old_enqueue(client: Client, n: int) -> None:
     for i in range(n):
         spec = client._spec(REQUEST, f"old{i}", "default", {})
-        fields = client._fields(spec)
+        fields = client._fields(spec, {})
         await client.records.create(spec.id, fields)
         await client.index.add(spec.id, float(fields["created_at"]))
         entry = await client.queue.add(spec.id)

@@ -20,25 +20,22 @@ MAX_NESTING = 128
 
 def nesting_depth(value: Any, stop_after: int = MAX_NESTING) -> int:
     """How many JSON levels ``value`` has (a scalar 0, ``[]`` and ``{}`` 1, a model like the
-    dict of its fields); counted without recursion and only up to ``stop_after + 1``, so a
-    hostile value costs no more than a walk to that depth."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, BaseModel):
-            item = dict(item)  # its fields and extras
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, level)
-        if deepest > stop_after:
-            return deepest
-        stack.extend((child, level + 1) for child in children)
-    return deepest
+    dict of its fields); counted without recursion, a level at a time, and only up to
+    ``stop_after + 1``, so a hostile value costs no more than a walk to that depth."""
+    depth, level = 0, [value] if isinstance(value, _CONTAINERS) else []
+    while level:
+        depth += 1
+        if depth > stop_after:
+            return depth
+        below: list[Any] = []
+        for item in level:
+            found = dict(item) if isinstance(item, BaseModel) else item  # a model: its fields
+            below += found.values() if isinstance(found, dict) else found
+        level = [child for child in below if isinstance(child, _CONTAINERS)]
+    return depth
+
+
+_CONTAINERS = (dict, list, tuple, BaseModel)
 
 
 class ChatMessage(BaseModel):

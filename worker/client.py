@@ -132,10 +132,10 @@ class Client:
         master all the same, and enqueueing it again with the same ``job_id`` waits again.
         """
         await self._check_upstream(upstream)
-        spec = self._spec(
-            request, job_id or new_job_id(), upstream, metadata or {}, tenant, priority
-        )
-        fields = self._fields(spec)
+        metadata = metadata or {}
+        _check_nesting("metadata", metadata)
+        spec = self._spec(request, job_id or new_job_id(), upstream, metadata, tenant, priority)
+        fields = self._fields(spec, context_fields())
         state = await self.records.create(spec.id, fields)
         if state != "exists":
             await self.index.add(spec.id, float(fields["created_at"]))
@@ -148,13 +148,14 @@ class Client:
             await self.replication.write(record, check, f"job {spec.id}")
         return spec.id
 
-    def _fields(self, spec: JobSpec) -> dict[str, str]:
+    def _fields(self, spec: JobSpec, trace: dict[str, str]) -> dict[str, str]:
+        """The record's fields; ``trace``: the caller's trace context (one per call)."""
         request_json = spec.request.model_dump_json()
         if len(request_json.encode()) > self.max_request_bytes:
             raise InvalidJobError(
                 f"request is larger than the limit of {self.max_request_bytes} bytes"
             )
-        return _record_fields(spec, request_json)
+        return _record_fields(spec, request_json, trace)
 
     async def _queue(
         self, job_id: str, waiting: Waiting, priority: str, *, discard: bool = False
@@ -203,11 +204,14 @@ class Client:
         fills up, QueueFullError says so, its ``queued`` listing the ids that were queued
         (they stay queued); the refused jobs leave nothing behind."""
         await self._check_upstream(upstream)
+        metadata = metadata or {}
+        _check_nesting("metadata", metadata)  # one metadata for all: checked once
         specs = [
-            self._spec_at(index, request, upstream, metadata or {}, tenant, priority)
+            self._spec_at(index, request, upstream, metadata, tenant, priority)
             for index, request in enumerate(requests)
         ]
-        fields = [self._fields(spec) for spec in specs]
+        trace = context_fields()  # the caller's span is the same for every job of the call
+        fields = [self._fields(spec, trace) for spec in specs]
         sender = default_sender(self.redis)  # a connection of its own for the call
         try:
             return await self._enqueue_batches(sender, specs, fields, batch)
@@ -259,8 +263,7 @@ class Client:
         tenant: str = "default",
         priority: Priority = "normal",
     ) -> JobSpec:
-        _check_nesting("request", request)
-        _check_nesting("metadata", metadata)
+        _check_nesting("request", request)  # its metadata: checked by the caller, once
         try:
             return JobSpec.model_validate(
                 {
@@ -508,7 +511,7 @@ def new_job_id() -> str:
     return os.urandom(16).hex()
 
 
-def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
+def _record_fields(spec: JobSpec, request_json: str, trace: dict[str, str]) -> dict[str, str]:
     return {
         "id": spec.id,
         "status": JobStatus.QUEUED.value,
@@ -519,7 +522,7 @@ def _record_fields(spec: JobSpec, request_json: str) -> dict[str, str]:
         "priority": spec.priority,
         "created_at": f"{time.time():.6f}",
         "attempt": "0",
-        **context_fields(),  # the caller's trace context, when it runs in a span
+        **trace,  # the caller's trace context, when it runs in a span
     }
 
 

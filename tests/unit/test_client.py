@@ -7,10 +7,12 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobStatus
-from schemas.requests import MAX_NESTING
+from schemas.requests import MAX_NESTING, ChatRequest, nesting_depth
 from tests.helpers.checks import (
     check_stream,
     jobs_queued,
@@ -103,6 +105,39 @@ async def test_a_request_nested_deeper_than_a_worker_runs_is_refused_before_any_
         await harness.client.enqueue(chat(), metadata={"m": nested(levels + 3)})
     assert await harness.redis.exists(harness.worker.keys.job("deep")) == 0
     assert await jobs_queued(harness.redis, harness.worker.keys) == 0
+
+
+def reference_depth(value: Any) -> int:
+    """JSON levels, recursively (the obvious definition nesting_depth must agree with)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return 1 + max((reference_depth(item) for item in value), default=0)
+    return 0
+
+
+json_values = st.recursive(
+    st.none() | st.integers() | st.text(max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.tuples(children)
+        | st.dictionaries(st.text(max_size=2), children, max_size=3)
+    ),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(json_values, st.integers(0, 8))
+def test_nesting_depth_counts_json_levels_up_to_its_bound(value: Any, stop_after: int) -> None:
+    depth = reference_depth(value)
+    assert nesting_depth(value, stop_after) == min(depth, stop_after + 1)
+
+
+def test_nesting_depth_counts_a_model_as_the_dict_of_its_fields() -> None:
+    request = ChatRequest.model_validate(chat())
+    assert nesting_depth(request) == reference_depth(request.model_dump(exclude_unset=True))
+    assert nesting_depth({"r": [request]}) == 2 + nesting_depth(request)
 
 
 async def test_a_request_at_the_nesting_bound_runs(harness: Harness) -> None:
