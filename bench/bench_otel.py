@@ -1,16 +1,16 @@
 """The worker's CPU per job with OpenTelemetry tracing on vs off (issue 25).
 
 Run: ``.venv/bin/python bench/bench_otel.py`` (full: about 3 minutes on a quiet machine)
-or ``--quick`` (a smoke run, about 40 s). bench/README.md explains how to read it.
+or ``--quick`` (a smoke run, about a minute). bench/README.md explains how to read it.
 
 Two ``chatstream worker`` processes on one Redis (started here on a free loopback port)
 and one upstream (``bench/paced_upstream.py``, OpenAI-shaped chunks, one event per write),
 on different key prefixes: ``off`` without any OTEL_* variable, ``on`` exporting traces and
 metrics over OTLP/HTTP to a sink in this process (which answers 200 and counts what it
-gets). Rounds alternate between the two, so a slow phase of the machine hits both alike.
-One round: ``jobs`` jobs of ``tokens`` tokens, enqueued at once; the measure is the
-worker's utime + stime (/proc/<pid>/stat) over the round, per job. Both workers run each
-round at once (a slow phase of the machine hits both alike). A round's measure ends
+gets over HTTP/1.1, as a collector does). One round: ``jobs`` jobs of ``tokens`` tokens,
+enqueued at once; the measure is the worker's utime + stime (/proc/<pid>/stat) over the
+round, per job. Both workers run each round at once, pinned to one CPU (everything else
+on the others), so a slow phase of the machine hits both alike. A round's measure ends
 ``SETTLE`` seconds after its last job: the batch span processor exports on its own thread
 up to its schedule delay (5 s) later, and that export belongs to the round; what each
 worker uses when idle (measured over the same time before the rounds: its timers, the
@@ -21,7 +21,8 @@ unpaced
 paced
     ``rate`` tokens per second per stream (a provider's pace: one event per read)
 
-Target: tracing on costs at most 15% more CPU per job (a span per attempt, not per token).
+Target: tracing on costs at most 15% more CPU per job (a span per attempt, not per token),
+judged on the median of the rounds' on/off ratios.
 """
 
 from __future__ import annotations
