@@ -132,22 +132,28 @@ def start_worker(
     return spawn(f"worker-{mode}", command, logs, env)
 
 
-async def idle_rates(workers: dict[str, Proc]) -> None:
-    """CPU seconds per second each worker uses with nothing to do, into ``idle``."""
+async def idle_rates(workers: dict[str, Proc]) -> dict[str, float]:
+    """CPU seconds per second each worker uses with nothing to do."""
     before = {mode: cpu_seconds(worker.pid) for mode, worker in workers.items()}
     await asyncio.sleep(SETTLE * 2)
+    idle = {}
     for mode, worker in workers.items():
         idle[mode] = (cpu_seconds(worker.pid) - before[mode]) / (SETTLE * 2)
         print(f"  idle {mode:<3}: {idle[mode] * 1000:.1f} ms of CPU per second", flush=True)
-
-
-idle: dict[str, float] = {"on": 0.0, "off": 0.0}
+    return idle
 
 
 async def one_round(
-    redis: Redis, worker: Proc, mode: str, tag: str, jobs: int, body: dict[str, Any]
+    redis: Redis,
+    worker: Proc,
+    mode: str,
+    tag: str,
+    jobs: int,
+    body: dict[str, Any],
+    idle: float = 0.0,
 ) -> float:
-    """CPU seconds of ``worker`` per job, over ``jobs`` jobs enqueued at once."""
+    """CPU seconds of ``worker`` per job, over ``jobs`` jobs enqueued at once, less its
+    ``idle`` CPU per second over the settling time."""
     from worker.client import Client
 
     client = Client(redis, prefix=f"bench-{mode}")
@@ -160,7 +166,7 @@ async def one_round(
     if types != {"done": jobs}:
         raise RuntimeError(f"{mode}: {dict(types)}")
     await asyncio.sleep(SETTLE)  # the round's spans leave through the exporter's thread
-    return (cpu_seconds(worker.pid) - before - idle[mode] * SETTLE) / jobs
+    return (cpu_seconds(worker.pid) - before - idle * SETTLE) / jobs
 
 
 async def workload(
@@ -171,16 +177,17 @@ async def workload(
     per_job: dict[str, list[float]] = {mode: [] for mode in workers}
     ratios: list[float] = []
 
-    async def both(tag: str, jobs: int) -> dict[str, float]:
-        used = await asyncio.gather(
-            *(one_round(redis, worker, mode, tag, jobs, body) for mode, worker in workers.items())
+    async def both(tag: str, jobs: int, idle: dict[str, float]) -> dict[str, float]:
+        rounds = (
+            one_round(redis, worker, mode, tag, jobs, body, idle.get(mode, 0.0))
+            for mode, worker in workers.items()
         )
-        return dict(zip(workers, used, strict=True))
+        return dict(zip(workers, await asyncio.gather(*rounds), strict=True))
 
-    await both(f"{name}-warm", 20)
-    await idle_rates(workers)
+    await both(f"{name}-warm", 20, {})
+    idle = await idle_rates(workers)
     for n in range(plan.rounds):
-        used = await both(f"{name}{n}", plan.jobs)
+        used = await both(f"{name}{n}", plan.jobs, idle)
         for mode, value in used.items():
             per_job[mode].append(value)
         ratios.append(used["on"] / used["off"])

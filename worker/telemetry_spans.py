@@ -1,10 +1,10 @@
 """Finished spans as an OTLP/protobuf ``ExportTraceServiceRequest``, encoded directly.
 
 The OTLP exporter builds one ``opentelemetry-proto`` message object per span, attribute
-and value, then serializes them: about 135 µs per worker span here, on the export thread
+and value, then serializes them: 125-195 µs per worker span here, on the export thread
 beside the event loop. This writes the same wire bytes straight from the SDK's spans, and
 keeps the encoded ``KeyValue`` of attributes that repeat from span to span (operation,
-provider, server, model, status): about a tenth of the cost (decision 64,
+provider, server, model, status): about 40 µs a span (decision 63,
 ``bench/bench_otel.py``). tests/unit/test_telemetry_spans.py checks, over generated spans,
 that ``opentelemetry-proto`` parses these bytes into the message the SDK's encoder builds.
 
