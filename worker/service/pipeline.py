@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -169,23 +169,33 @@ async def stream_once(
 ) -> None:
     limit = services.settings.max_event_bytes
     decoder = SSEDecoder(limit)
-    publisher = services.publisher
     stream = services.upstream.stream(job.upstream, body, idle=job.idle, pacing=job.limits)
     idle_timeout = services.settings.idle_timeout
-    async with stream as chunks:
+    async with stream as reads:
         job.opened = True
         async with ProgressDeadline(job.upstream, idle_timeout, decoder):
-            async for data in chunks:
-                fields = (
-                    decoder.feed_data(data) if len(data) <= limit else _sliced(decoder, data, limit)
-                )
-                _fold_and_publish(fields, acc, publisher, job)
-                if acc.closed:
-                    break
-                if job.stream.stale:
-                    raise StaleAttemptError("a newer attempt owns the job, or its record is gone")
+            await reads.feed(_folder(decoder, limit, acc, services.publisher, job))
     if acc.truncated:  # (an unfinished event at the end is never dispatched: nothing to fold)
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
+
+
+def _folder(
+    decoder: SSEDecoder, limit: int, acc: Accumulator, publisher: Publisher, job: Attempt
+) -> Callable[[bytes], bool]:
+    """What each read of the body goes through, as it arrives: its events folded and
+    published as one delta. True (read no more) once the reply is complete; raises when
+    the attempt went stale."""
+
+    def fold(data: bytes) -> bool:
+        fields = decoder.feed_data(data) if len(data) <= limit else _sliced(decoder, data, limit)
+        _fold_and_publish(fields, acc, publisher, job)
+        if acc.closed:
+            return True
+        if job.stream.stale:
+            raise StaleAttemptError("a newer attempt owns the job, or its record is gone")
+        return False
+
+    return fold
 
 
 def _fold_and_publish(

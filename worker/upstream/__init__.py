@@ -8,3 +8,6 @@
 ``idle``        the idle timeout mid-stream, counted in complete SSE blocks, not bytes
 =============== ======================================================================
 """
+
+# A response of ``transport`` carries its body under this extension: ``feed`` it a callback.
+BODY_EXTENSION = "chatstream.body"

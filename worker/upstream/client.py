@@ -9,9 +9,10 @@ one probe at a time after a jittered, capped backoff or the upstream's ``Retry-A
 the other jobs waiting without their slot. After the first byte nothing is retried here,
 because output may already have been published.
 
-    async with client.stream("default", body, idle=give_back_my_slot) as chunks:
-        async for data in chunks:  # raw SSE bytes, as they arrive
+    async with client.stream("default", body, idle=give_back_my_slot) as reads:
+        async for data in reads:  # raw SSE bytes, as they arrive
             ...
+        # or: await reads.feed(consume), consume(data) -> True to stop reading
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import math
 import socket
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+)
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -51,6 +57,7 @@ from worker.logs import RedactFilter, secrets_of
 from worker.settings import Settings, Upstream
 from worker.speedups import chosen_transport
 from worker.telemetry import inject_upstream
+from worker.upstream import BODY_EXTENSION
 from worker.upstream.gate import IdleSlot, UpstreamGate, keep_slot
 
 logger = logging.getLogger("chatstream.upstream")
@@ -89,6 +96,67 @@ class _Opened:
     response: httpx.Response
     chunks: AsyncIterator[bytes]
     first: bytes
+    raw: bool  # ``chunks`` are the body as it arrived (not decoded)
+
+
+class FedBody(Protocol):
+    """A transport's body that calls back with each read (``worker.upstream.transport``)."""
+
+    async def feed(self, consume: Callable[[bytes], bool]) -> None: ...
+
+
+class UpstreamBody:
+    """The body after the first byte, with the idle timeout and no retries: iterated, or
+    ``feed``-ed a callback (from the transport's data callback where it can: no wake-up of
+    the reading task per read, docs/decisions.md, 64)."""
+
+    def __init__(self, name: str, opened: _Opened, idle_timeout: float) -> None:
+        self._name = name
+        self._opened = opened
+        self._idle_timeout = idle_timeout
+        self._relay: AsyncGenerator[bytes, None] | None = None
+
+    def __aiter__(self) -> UpstreamBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._relay is None:
+            self._relay = self._reads()
+        return await anext(self._relay)
+
+    async def feed(self, consume: Callable[[bytes], bool]) -> None:
+        """``consume(data)`` for each read (the first byte's included) until it returns
+        True or the body ends; what ``consume`` raises is raised here."""
+        opened = self._opened
+        with self._translated():
+            if consume(opened.first):
+                return
+            fed: FedBody | None = opened.response.extensions.get(BODY_EXTENSION)
+            if fed is not None and opened.raw:
+                await fed.feed(consume)
+                return
+            async for chunk in opened.chunks:
+                if chunk and consume(chunk):
+                    return
+
+    async def aclose(self) -> None:
+        if self._relay is not None:
+            await self._relay.aclose()
+
+    async def _reads(self) -> AsyncGenerator[bytes, None]:
+        yield self._opened.first
+        with self._translated():
+            async for chunk in self._opened.chunks:
+                if chunk:
+                    yield chunk
+
+    def _translated(self) -> AbstractContextManager[None]:
+        # httpx's read timeout (= idle_timeout) bounds each silence: no timer per read
+        # here; the caller's ProgressDeadline (idle.py) bounds the time between events
+        url = self._opened.response.request.url
+        return _translate_httpx_errors(
+            self._name, url, streaming=True, deadline=self._idle_timeout
+        )
 
 
 class UpstreamClient:
@@ -142,7 +210,7 @@ class UpstreamClient:
         *,
         idle: IdleSlot = keep_slot,
         pacing: Pacing | None = None,
-    ) -> AbstractAsyncContextManager[AsyncIterator[bytes]]:
+    ) -> AbstractAsyncContextManager[UpstreamBody]:
         """POST ``body`` to the upstream named ``upstream``; yields its raw body bytes.
 
         Raises ``UnknownUpstreamError`` at once for a name the settings do not define.
@@ -169,13 +237,13 @@ class UpstreamClient:
         request: httpx.Request,
         idle: IdleSlot,
         pacing: Pacing | None,
-    ) -> AsyncIterator[AsyncIterator[bytes]]:
+    ) -> AsyncIterator[UpstreamBody]:
         opened = await self._open(name, target, request, idle, pacing)
-        relay = self._relay(name, opened)
+        body = UpstreamBody(name, opened, self._settings.idle_timeout)
         try:
-            yield relay
+            yield body
         finally:
-            await relay.aclose()
+            await body.aclose()
             await opened.response.aclose()
 
     async def _open(
@@ -234,25 +302,13 @@ class UpstreamClient:
                 response = await self._http.send(request, stream=True)
                 try:
                     await _check_response(name, target, response)
-                    chunks = _body_chunks(response)
+                    raw = _is_raw(response)
+                    chunks = response.aiter_raw() if raw else response.aiter_bytes()
                     first = await _first_chunk(name, chunks)
                 except BaseException:
                     await response.aclose()
                     raise
-        return _Opened(response, chunks, first)
-
-    async def _relay(self, name: str, opened: _Opened) -> AsyncGenerator[bytes, None]:
-        """The body after the first byte, with the idle timeout and no retries."""
-        yield opened.first
-        # httpx's read timeout (= idle_timeout) bounds each silence: no timer per chunk here;
-        # the caller's ProgressDeadline (idle.py) bounds the time between complete events
-        url = opened.response.request.url
-        with _translate_httpx_errors(
-            name, url, streaming=True, deadline=self._settings.idle_timeout
-        ):
-            async for chunk in opened.chunks:
-                if chunk:
-                    yield chunk
+        return _Opened(response, chunks, first, raw)
 
     def _before_sleep(self, gate: UpstreamGate) -> Callable[[RetryCallState], None]:
         def log_and_notify(state: RetryCallState) -> None:
@@ -324,14 +380,13 @@ def _new_http_client(settings: Settings, timeout: httpx.Timeout) -> httpx.AsyncC
     )
 
 
-def _body_chunks(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The body as it arrives: ``aiter_raw`` when it is not content-encoded (we ask for
-    identity; one generator layer less per read), else ``aiter_bytes``, which decodes (and
-    also serves a body that was read already, as transports that are not sockets give)."""
+def _is_raw(response: httpx.Response) -> bool:
+    """Whether the body is read as it arrives (``aiter_raw``: it is not content-encoded, as
+    we ask; one generator layer less per read), else with ``aiter_bytes``, which decodes
+    (and also serves a body that was read already, as transports that are not sockets
+    give)."""
     encoding = response.headers.get("content-encoding", "").strip().lower()
-    if encoding in ("", "identity") and not response.is_stream_consumed:
-        return response.aiter_raw()
-    return response.aiter_bytes()
+    return encoding in ("", "identity") and not response.is_stream_consumed
 
 
 def _request_headers(target: Upstream) -> dict[str, str]:

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httptools
 import httpx
+
+from worker.upstream import BODY_EXTENSION
 
 HIGH_WATER = 256 * 1024  # buffered unread body bytes before the socket stops being read
 SWEEPS_PER_TIMEOUT = 10  # a stalled read fails within 1.1 x its read timeout
@@ -35,6 +37,7 @@ MIN_SWEEP, MAX_SWEEP = 0.01, 1.0  # seconds between sweeps
 NO_RESPONSE = "Server disconnected without sending a response."
 CUT_BODY = "peer closed connection without sending complete message body"
 Key = tuple[str, str, int]  # scheme, host, port
+Consume = Callable[[bytes], bool]  # takes one read of the body; True: stop reading
 
 
 class _Connection(asyncio.Protocol):
@@ -66,6 +69,8 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.wait_began = 0.0
         self.read_timeout: float | None = None
+        self.consume: Consume | None = None  # fed each read as it arrives (_Body.feed)
+        self.consume_error: Exception | None = None  # what ``consume`` raised
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -81,6 +86,9 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"), exc)
             self.close()
+            return
+        if self.consume is not None and self.chunks:
+            self._feed_consumer()
             return
         if self.size > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
@@ -141,6 +149,20 @@ class _Connection(asyncio.Protocol):
         error.__cause__ = cause
         self.error = error
         self._wake()
+
+    def _feed_consumer(self) -> None:
+        """Hand what arrived to ``consume`` now, in this callback: the reading task is not
+        woken for a read, only when the body ends, fails or ``consume`` stops it."""
+        assert self.consume is not None
+        self.wait_began = self.loop.time()  # the read timeout counts from the last read
+        try:
+            stop = self.consume(self.take())
+        except Exception as exc:  # raised in the reading task, by _Body.feed
+            self.consume_error, stop = exc, True
+        if stop:
+            self.consume = None
+        if stop or self.complete or self.error is not None:
+            self._wake()
 
     def _wake(self) -> None:
         waiter = self.waiter
@@ -326,11 +348,16 @@ class HttptoolsTransport(httpx.AsyncBaseTransport):
         except BaseException:
             self._release(connection, reuse=False)
             raise
+        stream = _Body(self, connection)
         return httpx.Response(
             connection.parser.get_status_code(),
             headers=connection.headers,
-            stream=_Body(self, connection),
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": connection.reason},
+            stream=stream,
+            extensions={
+                "http_version": b"HTTP/1.1",
+                "reason_phrase": connection.reason,
+                BODY_EXTENSION: stream,
+            },
         )
 
     async def aclose(self) -> None:
@@ -381,7 +408,8 @@ class HttptoolsTransport(httpx.AsyncBaseTransport):
 
 
 class _Body(httpx.AsyncByteStream):
-    """The response body as it arrives, one bytes object per read."""
+    """The response body as it arrives, one bytes object per read: iterated (httpx's way),
+    or fed to a callback from the connection's own (``feed``)."""
 
     def __init__(self, transport: HttptoolsTransport, connection: _Connection) -> None:
         self._transport = transport
@@ -400,6 +428,30 @@ class _Body(httpx.AsyncByteStream):
                 raise connection.error
             else:
                 await connection.wait()
+
+    async def feed(self, consume: Consume) -> None:
+        """``consume(data)`` for each read not iterated yet, called from the connection's
+        data callback as it arrives, until ``consume`` returns True or the body ends;
+        raises what ``consume`` raised, or the body's error. The caller sleeps through the
+        reads: one wake-up per body instead of one (and a future) per read."""
+        connection = self._connection
+        if connection is None:
+            raise httpx.StreamClosed()
+        if connection.chunks and consume(connection.take()):
+            return
+        connection.consume, connection.consume_error = consume, None
+        try:
+            while connection.consume is not None:
+                if connection.complete and not connection.chunks:
+                    return
+                if connection.error is not None:
+                    raise connection.error
+                await connection.wait()
+            error, connection.consume_error = connection.consume_error, None
+            if error is not None:
+                raise error
+        finally:
+            connection.consume = None
 
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None

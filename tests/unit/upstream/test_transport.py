@@ -488,6 +488,120 @@ async def test_an_identity_body_arrives_read_by_read() -> None:
     assert received == [EVENT, DONE]
 
 
+# --- a body fed to a callback (what the pipeline does) ----------------------------------------
+
+
+async def fed(client: UpstreamClient, stop_at: int | None = None) -> list[bytes]:
+    """The reads ``feed`` hands over (stopping after ``stop_at`` of them)."""
+    reads: list[bytes] = []
+
+    def consume(data: bytes) -> bool:
+        reads.append(data)
+        return len(reads) == stop_at
+
+    async with client.stream("default", BODY) as body:
+        await body.feed(consume)
+    return reads
+
+
+def dripping(parts: list[bytes], every: float) -> Serve:
+    """A server that sends ``parts`` one per ``every`` seconds, then ends the body."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD)
+        for part in parts:
+            await asyncio.sleep(every)
+            writer.write(chunked(part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    return serve
+
+
+async def test_a_fed_body_arrives_read_by_read_without_waking_the_reader_per_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each read goes to the callback from the connection's data callback: the task that
+    feeds waits once for the whole body, not once per read."""
+    waits: list[int] = []
+    original = _Connection.wait
+
+    async def counted(self: _Connection) -> None:
+        waits.append(1)
+        await original(self)
+
+    monkeypatch.setattr(_Connection, "wait", counted)
+    parts = [b"%d" % i for i in range(20)]
+    async with server(dripping(parts, 0.01)) as url, UpstreamClient(settings_for(url)) as client:
+        reads = await fed(client)
+    assert b"".join(reads) == b"".join(parts) and len(reads) >= 15  # (one read each, mostly)
+    assert len(waits) <= 3  # the first byte, the body, its end
+
+
+async def test_a_fed_body_stops_where_the_callback_says_and_is_not_reused() -> None:
+    connections: list[int] = []
+    parts = [b"a", b"b", b"c"]
+    async with (
+        server(dripping(parts, 0.02), connections=connections) as url,
+        UpstreamClient(settings_for(url)) as client,
+    ):
+        assert await fed(client, stop_at=2) == [b"a", b"b"]
+        assert await fed(client) == parts  # a new connection: the first one was left mid-body
+    assert len(connections) == 2
+
+
+async def test_what_the_callback_raises_is_raised_by_feed_and_ends_the_stream() -> None:
+    seen: list[bytes] = []
+
+    def consume(data: bytes) -> bool:
+        seen.append(data)
+        if len(seen) == 2:
+            raise ValueError("bad event")
+        return False
+
+    async with server(dripping([b"a", b"b", b"c"], 0.02)) as url:
+        async with UpstreamClient(settings_for(url)) as client:
+            with pytest.raises(ValueError, match="bad event"):
+                async with client.stream("default", BODY) as body:
+                    await body.feed(consume)
+    assert seen == [b"a", b"b"]
+
+
+async def test_a_fed_body_that_keeps_coming_is_not_timed_out_but_a_stall_is() -> None:
+    """The read timeout counts from the last read: 8 reads 0.1 s apart outlive a 0.3 s
+    timeout; a silence of it ends the stream."""
+    parts = [b"%d" % i for i in range(8)]
+    settings = {"idle_timeout": 0.3}
+    async with server(dripping(parts, 0.1)) as url:
+        async with UpstreamClient(settings_for(url, **settings)) as client:
+            assert b"".join(await fed(client)) == b"".join(parts)
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(b"a"))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with server(stall) as url:
+        async with UpstreamClient(settings_for(url, **settings)) as client:
+            began = time.monotonic()
+            with pytest.raises(UpstreamTimeoutError, match=r"no data for 0\.3s"):
+                await fed(client)
+            assert 0.3 <= time.monotonic() - began < 0.9
+
+
+async def test_a_compressed_body_is_fed_decoded() -> None:
+    body = gzip.compress(EVENT + DONE)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = HEAD.replace(b"\r\n\r\n", b"\r\ncontent-encoding: gzip\r\n\r\n")
+        writer.write(head + chunked(body[:10]) + chunked(body[10:]) + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with server(serve) as url, UpstreamClient(settings_for(url)) as client:
+        assert b"".join(await fed(client)) == EVENT + DONE
+
+
 async def test_a_request_body_of_unknown_length_is_sent_chunked() -> None:
     got: list[bytes] = []
 
