@@ -154,9 +154,7 @@ class UpstreamBody:
         # httpx's read timeout (= idle_timeout) bounds each silence: no timer per read
         # here; the caller's ProgressDeadline (idle.py) bounds the time between events
         url = self._opened.response.request.url
-        return _translate_httpx_errors(
-            self._name, url, streaming=True, deadline=self._idle_timeout
-        )
+        return _translate_httpx_errors(self._name, url, streaming=True, deadline=self._idle_timeout)
 
 
 class UpstreamClient:
