@@ -31,7 +31,7 @@ from worker.aio import cancel_and_wait
 from worker.errors import InvalidJobError, JobNotFoundError, NotReplicatedError, QueueFullError
 from worker.settings import Settings, load_settings
 from worker.store.batch import BatchSender
-from worker.store.bulk import BulkEnqueue
+from worker.store.bulk import BulkEnqueue, Job
 from worker.store.cluster_batch import default_sender
 from worker.store.jobs import JobIndex, JobPage, Progress, read_progress
 from worker.store.keys import Keys
@@ -179,9 +179,9 @@ class Client:
     async def _queue_replicated(self, job_id: str, waiting: Waiting, priority: str) -> None:
         scheduler, shard = self.queue.scheduler, self.keys.shard_of(job_id)
         keys, record = scheduler.shard_keys(shard), self.keys.job(job_id)
-        args = scheduler.push_args(job_id, waiting, priority, self.max_queued)
-        reply, on_queue = await self.replication.send(keys[0], ("EVAL", PUSH, 2, *keys, *args))
-        check_push(reply, waiting.tenant)
+        args = scheduler.push_args([(job_id, waiting, priority)], self.max_queued)
+        replies, on_queue = await self.replication.send(keys[0], ("EVAL", PUSH, 2, *keys, *args))
+        check_push(replies[0], waiting.tenant)
         mark = ("HSET", record, "queue_entry", QUEUED_TO_TENANT)
         _, on_record = await self.replication.send(record, mark)
         if not self.replication.enough(min(on_queue, on_record)):
@@ -206,41 +206,33 @@ class Client:
         await self._check_upstream(upstream)
         metadata = metadata or {}
         _check_nesting("metadata", metadata)  # one metadata for all: checked once
-        specs = [
-            self._spec_at(index, request, upstream, metadata, tenant, priority)
+        trace = context_fields()  # the caller's span is the same for every job of the call
+        jobs = [
+            self._job_at(index, request, upstream, metadata, tenant, priority, trace)
             for index, request in enumerate(requests)
         ]
-        trace = context_fields()  # the caller's span is the same for every job of the call
-        fields = [self._fields(spec, trace) for spec in specs]
         sender = default_sender(self.redis)  # a connection of its own for the call
         try:
-            return await self._enqueue_batches(sender, specs, fields, batch)
+            return await self._enqueue_batches(sender, jobs, batch)
         finally:
             await sender.aclose()
 
-    async def _enqueue_batches(
-        self,
-        sender: BatchSender,
-        specs: list[JobSpec],
-        fields: list[dict[str, str]],
-        batch: int,
-    ) -> list[str]:
+    async def _enqueue_batches(self, sender: BatchSender, jobs: list[Job], batch: int) -> list[str]:
         bulk = BulkEnqueue(sender, self.records, self.index, self.queue.scheduler, self.max_queued)
-        pairs = list(zip(specs, fields, strict=True))
-        done = await bulk.run([pairs[i : i + batch] for i in range(0, len(pairs), batch)])
+        done = await bulk.run([jobs[i : i + batch] for i in range(0, len(jobs), batch)])
         if done.refused:
-            spec, waiting = done.refused[0]
+            job, waiting = done.refused[0]
             raise QueueFullError(
-                f"tenant {spec.tenant!r} has {waiting} jobs waiting, the most "
-                f"CHATSTREAM_MAX_QUEUED allows: {len(done.queued)} of {len(specs)} jobs were "
+                f"tenant {job.tenant!r} has {waiting} jobs waiting, the most "
+                f"CHATSTREAM_MAX_QUEUED allows: {len(done.queued)} of {len(jobs)} jobs were "
                 "queued (QueueFullError.queued lists them); the others were not",
-                tenant=spec.tenant,
+                tenant=job.tenant,
                 waiting=waiting,
                 queued=done.queued,
             )
         return done.queued
 
-    def _spec_at(
+    def _job_at(
         self,
         index: int,
         request: ChatRequest | dict[str, Any],
@@ -248,9 +240,12 @@ class Client:
         metadata: dict[str, Any],
         tenant: str,
         priority: Priority,
-    ) -> JobSpec:
+        trace: dict[str, str],
+    ) -> Job:
+        """The ``index``-th request of a bulk enqueue, validated, as it will be written."""
         try:
-            return self._spec(request, new_job_id(), upstream, metadata, tenant, priority)
+            spec = self._spec(request, new_job_id(), upstream, metadata, tenant, priority)
+            return Job.of(spec, self._fields(spec, trace))
         except InvalidJobError as exc:
             raise InvalidJobError(f"requests[{index}]: {exc.message}") from None
 

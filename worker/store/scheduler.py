@@ -22,7 +22,7 @@ share of every limit (rounded up). See docs/decisions.md, 48, and docs/redis.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,9 @@ class Waiting:
     ) -> Waiting:
         prompt = request.prompt_tokens_estimate(json_length)
         return cls(tenant, upstream, prompt, request.max_output_tokens())
+
+
+Push = tuple[str, Waiting, str]  # a job to push: its id, what waits, its priority
 
 
 @dataclass(slots=True)
@@ -122,21 +125,15 @@ class Scheduler:
     def shard_keys(self, shard: int) -> list[str]:
         return [self.keys.queue_shard(shard), self.keys.sched(shard)]
 
-    def push_args(
-        self, job_id: str, waiting: Waiting, priority: str, max_queued: int | None
-    ) -> list[Any]:
-        max_tokens = "" if waiting.max_tokens is None else waiting.max_tokens
-        own = shard_share(max_queued, self.keys.shards) or 0
-        rank = PRIORITY_RANK[priority]
-        return [
-            job_id,
-            waiting.tenant,
-            rank,
-            waiting.upstream,
-            waiting.prompt_tokens,
-            max_tokens,
-            own,
-        ]
+    def push_args(self, jobs: Sequence[Push], max_queued: int | None) -> list[Any]:
+        """The push script's ``ARGV`` for ``jobs`` of one shard, in order."""
+        args: list[Any] = [shard_share(max_queued, self.keys.shards) or 0]
+        for job_id, waiting, priority in jobs:
+            max_tokens = "" if waiting.max_tokens is None else waiting.max_tokens
+            rank = PRIORITY_RANK[priority]
+            args += (job_id, waiting.tenant, rank, waiting.upstream, waiting.prompt_tokens)
+            args.append(max_tokens)
+        return args
 
     async def push(
         self, job_id: str, waiting: Waiting, priority: str, max_queued: int | None = None
@@ -144,9 +141,9 @@ class Scheduler:
         """The job into its tenant's queue: ``queued``, or ``exists`` when it waits already;
         QueueFullError when its tenant has too many waiting (nothing is written)."""
         keys = self.shard_keys(self.keys.shard_of(job_id))
-        args = self.push_args(job_id, waiting, priority, max_queued)
-        reply = await self.push_script(keys=keys, args=args)
-        return check_push(reply, waiting.tenant)
+        args = self.push_args([(job_id, waiting, priority)], max_queued)
+        replies = await self.push_script(keys=keys, args=args)
+        return check_push(replies[0], waiting.tenant)
 
     async def pick(self, shard: int, consumer: str, count: int) -> tuple[Any, int]:
         """Up to ``count`` entries for ``consumer`` (raw XREADGROUP rows), and the ms until a

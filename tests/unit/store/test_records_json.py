@@ -23,9 +23,11 @@ SCALARS = (
 KEYS = st.text() | st.integers() | st.floats(allow_nan=False) | st.booleans() | st.none()
 VALUES = st.recursive(
     SCALARS,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.tuples(inner, inner)
-    | st.dictionaries(KEYS, inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(KEYS, inner, max_size=4)
+    ),
     max_leaves=20,
 )
 

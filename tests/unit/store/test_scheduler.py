@@ -313,6 +313,75 @@ async def test_enqueue_many_queues_every_job_in_order(settings: Settings, redis:
     assert len(page.jobs) == 3 and {job.id for job in page.jobs} <= set(ids)
 
 
+async def snapshot(redis: Redis, prefix: str) -> dict[str, Any]:
+    """Every key under ``prefix`` and what it holds, without the times that differ."""
+    state: dict[str, Any] = {}
+    async for key in redis.scan_iter(match=f"{prefix}:*"):
+        kind = await redis.type(key)
+        if kind == "hash":
+            value: Any = await redis.hgetall(key)
+            if key.endswith(":jobs"):  # 'tenant|upstream|tokens|max|enqueued ms'
+                value = {k: v.rsplit("|", 1)[0] for k, v in value.items()}
+        elif kind == "zset":
+            value = await redis.zrange(key, 0, -1, withscores=True)
+        elif kind == "set":
+            value = await redis.smembers(key)
+        elif kind == "stream":
+            entries: Any = await redis.xrange(key)
+            value = [fields for _, fields in entries]
+        else:
+            value = await redis.get(key)
+        state[key.replace(prefix, "")] = value  # (the prefix is in hash tags too)
+    return state
+
+
+async def test_a_push_of_many_jobs_leaves_what_one_push_each_leaves(
+    settings: Settings, redis: Redis
+) -> None:
+    """enqueue_many pushes up to PUSH_CHUNK jobs per call: the replies and what Redis holds
+    are those of one call per job, refusals at the tenant's bound included."""
+    priorities = ("high", "normal", "low")
+    jobs = [(f"j{i}", waiting("abc"[i % 3]), priorities[i % 2 + i % 3 // 2]) for i in range(40)]
+    results: dict[str, Any] = {}
+    for mode in ("one", "many"):
+        prefix = f"{settings.prefix}-{mode}"
+        queue = await scheduled(settings, redis, prefix=prefix, max_queued=10)
+        scheduler, keys = queue.scheduler, queue.scheduler.shard_keys(0)
+        if mode == "one":
+            replies = [
+                (await scheduler.push_script(keys=keys, args=scheduler.push_args([job], None)))[0]
+                for job in jobs
+            ]
+        else:
+            replies = await scheduler.push_script(keys=keys, args=scheduler.push_args(jobs, None))
+        results[mode] = (replies, await snapshot(redis, prefix))
+    replies, _ = results["many"]
+    assert [reply[0] for reply in replies].count("full") > 0  # the bound was reached
+    assert results["many"] == results["one"]
+
+
+async def test_enqueue_many_on_shards_says_which_jobs_it_queued(
+    settings: Settings, redis: Redis
+) -> None:
+    """Two shards, a tenant past its bound, several push calls per shard in one round: the
+    jobs said to be queued are exactly those in the scheduler, the others left nothing."""
+    sharded = settings.model_copy(update={"queue_shards": 2})
+    await scheduled(sharded, redis, max_queued=60)
+    client = Client.from_settings(sharded, redis)
+    with pytest.raises(QueueFullError) as refused:
+        await client.enqueue_many([chat(f"n{i}") for i in range(225)], batch=300)
+    queued = set(refused.value.queued)
+    in_scheduler: set[str] = set()
+    for shard, stream in enumerate(client.keys.queues):
+        waiting_ids: Any = await redis.hkeys(client.keys.sched(shard) + ":jobs")
+        entries: Any = await redis.xrange(stream)
+        in_scheduler.update(waiting_ids, (fields["job"] for _, fields in entries))
+    assert queued == in_scheduler and 60 <= len(queued) < 225
+    records = [key async for key in redis.scan_iter(match=f"{sharded.prefix}:job:*")]
+    assert {key.rsplit(":", 1)[1].strip("{}") for key in records} == queued
+    assert {(await client.get(job_id)).status for job_id in queued} == {"queued"}
+
+
 async def test_enqueue_many_validates_everything_first(settings: Settings, redis: Redis) -> None:
     client = Client.from_settings(settings, redis)
     with pytest.raises(InvalidJobError, match=r"requests\[1\]: invalid job: request.messages"):

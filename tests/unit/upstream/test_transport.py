@@ -560,11 +560,13 @@ async def test_what_the_callback_raises_is_raised_by_feed_and_ends_the_stream() 
             raise ValueError("bad event")
         return False
 
-    async with server(dripping([b"a", b"b", b"c"], 0.02)) as url:
-        async with UpstreamClient(settings_for(url)) as client:
-            with pytest.raises(ValueError, match="bad event"):
-                async with client.stream("default", BODY) as body:
-                    await body.feed(consume)
+    async with (
+        server(dripping([b"a", b"b", b"c"], 0.02)) as url,
+        UpstreamClient(settings_for(url)) as client,
+    ):
+        with pytest.raises(ValueError, match="bad event"):
+            async with client.stream("default", BODY) as body:
+                await body.feed(consume)
     assert seen == [b"a", b"b"]
 
 
@@ -573,21 +575,22 @@ async def test_a_fed_body_that_keeps_coming_is_not_timed_out_but_a_stall_is() ->
     timeout; a silence of it ends the stream."""
     parts = [b"%d" % i for i in range(8)]
     settings = {"idle_timeout": 0.3}
-    async with server(dripping(parts, 0.1)) as url:
-        async with UpstreamClient(settings_for(url, **settings)) as client:
-            assert b"".join(await fed(client)) == b"".join(parts)
+    async with (
+        server(dripping(parts, 0.1)) as url,
+        UpstreamClient(settings_for(url, **settings)) as client,
+    ):
+        assert b"".join(await fed(client)) == b"".join(parts)
 
     async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(HEAD + chunked(b"a"))
         await writer.drain()
         await asyncio.sleep(5)
 
-    async with server(stall) as url:
-        async with UpstreamClient(settings_for(url, **settings)) as client:
-            began = time.monotonic()
-            with pytest.raises(UpstreamTimeoutError, match=r"no data for 0\.3s"):
-                await fed(client)
-            assert 0.3 <= time.monotonic() - began < 0.9
+    async with server(stall) as url, UpstreamClient(settings_for(url, **settings)) as client:
+        began = time.monotonic()
+        with pytest.raises(UpstreamTimeoutError, match=r"no data for 0\.3s"):
+            await fed(client)
+        assert 0.3 <= time.monotonic() - began < 0.9
 
 
 async def test_a_compressed_body_is_fed_decoded() -> None:
