@@ -335,11 +335,14 @@ async def snapshot(redis: Redis, prefix: str) -> dict[str, Any]:
     return state
 
 
+@pytest.mark.parametrize("before", ["nothing", "an entry in the stream", "a cooling upstream"])
 async def test_a_push_of_many_jobs_leaves_what_one_push_each_leaves(
-    settings: Settings, redis: Redis
+    settings: Settings, redis: Redis, before: str
 ) -> None:
     """enqueue_many pushes up to PUSH_CHUNK jobs per call: the replies and what Redis holds
-    are those of one call per job, refusals at the tenant's bound included."""
+    are those of one call per job, refusals at the tenant's bound included; whether the
+    first job is dispatched, an entry waits in the stream already, or nothing may be
+    dispatched (every job's push tries again)."""
     priorities = ("high", "normal", "low")
     jobs = [(f"j{i}", waiting("abc"[i % 3]), priorities[i % 2 + i % 3 // 2]) for i in range(40)]
     results: dict[str, Any] = {}
@@ -347,6 +350,10 @@ async def test_a_push_of_many_jobs_leaves_what_one_push_each_leaves(
         prefix = f"{settings.prefix}-{mode}"
         queue = await scheduled(settings, redis, prefix=prefix, max_queued=10)
         scheduler, keys = queue.scheduler, queue.scheduler.shard_keys(0)
+        if before == "an entry in the stream":
+            await redis.xadd(queue.keys.queue, {"job": "earlier"})
+        elif before == "a cooling upstream":
+            await scheduler.cool_down("default", 30)
         if mode == "one":
             replies = [
                 (await scheduler.push_script(keys=keys, args=scheduler.push_args([job], None)))[0]
