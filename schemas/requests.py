@@ -22,20 +22,29 @@ def nesting_depth(value: Any, stop_after: int = MAX_NESTING) -> int:
     """How many JSON levels ``value`` has (a scalar 0, ``[]`` and ``{}`` 1, a model like the
     dict of its fields); counted without recursion, a level at a time, and only up to
     ``stop_after + 1``, so a hostile value costs no more than a walk to that depth."""
-    depth, level = 0, [value] if isinstance(value, _CONTAINERS) else []
+    depth = 0
+    level: list[Any] = [value] if isinstance(value, _CONTAINERS) else []
     while level:
         depth += 1
         if depth > stop_after:
             return depth
         below: list[Any] = []
         for item in level:
-            found = dict(item) if isinstance(item, BaseModel) else item  # a model: its fields
-            below += found.values() if isinstance(found, dict) else found
-        level = [child for child in below if isinstance(child, _CONTAINERS)]
+            kind = type(item)
+            if kind is dict:
+                below += item.values()
+            elif kind is list or kind is tuple:
+                below += item
+            else:  # a model (its fields), or a subclass of dict, list or tuple
+                found = dict(item) if isinstance(item, BaseModel) else item
+                below += found.values() if isinstance(found, dict) else found
+        # (scalars by their exact type first: the common case, and cheaper than isinstance)
+        level = [c for c in below if type(c) not in _SCALARS and isinstance(c, _CONTAINERS)]
     return depth
 
 
 _CONTAINERS = (dict, list, tuple, BaseModel)
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 class ChatMessage(BaseModel):

@@ -506,10 +506,13 @@ def new_job_id() -> str:
     return os.urandom(16).hex()
 
 
+_QUEUED = JobStatus.QUEUED.value  # (an enum member's value costs a Python call per job)
+
+
 def _record_fields(spec: JobSpec, request_json: str, trace: dict[str, str]) -> dict[str, str]:
     return {
         "id": spec.id,
-        "status": JobStatus.QUEUED.value,
+        "status": _QUEUED,
         "request": request_json,
         "upstream": spec.upstream,
         "metadata": dumps(spec.metadata) if spec.metadata else "{}",

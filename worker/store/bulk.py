@@ -32,21 +32,15 @@ class Job:
     queue entry. The validated request itself is not kept: a large call holds one object
     per job instead of the nine of its model (the collector's cost, decision 66)."""
 
+    id: str
+    tenant: str
     fields: dict[str, str]
     push: Push  # id, what waits (tenant, upstream, tokens), priority
 
     @classmethod
     def of(cls, spec: JobSpec, fields: dict[str, str]) -> Job:
         waiting = Waiting.of(spec.request, spec.tenant, spec.upstream, len(fields["request"]))
-        return cls(fields, (spec.id, waiting, spec.priority))
-
-    @property
-    def id(self) -> str:
-        return self.push[0]
-
-    @property
-    def tenant(self) -> str:
-        return self.push[1].tenant
+        return cls(spec.id, spec.tenant, fields, (spec.id, waiting, spec.priority))
 
 
 PUSH_CHUNK = 50  # jobs per push script call (Redis runs a call whole: about 1 ms for 50)
