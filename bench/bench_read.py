@@ -10,8 +10,8 @@ divided by the reads it saw, is the cost of one read. Reads = events here (one e
 write, and a client keeps up), which the table checks.
 
 httpx
-    ``UpstreamClient`` (the worker's relay and error translation) over httpx's default
-    transport: httpcore + h11 over anyio (what the worker runs without httptools).
+    ``UpstreamClient`` (the worker's body ``feed`` and error translation) over httpx's
+    default transport: httpcore + h11 over anyio (what the worker runs without httptools).
 httpx+httptools
     the same over ``worker.upstream.transport.HttptoolsTransport``: llhttp over an asyncio
     Protocol, the read timeout by one sweep (what the worker runs with ``[fast]``).
@@ -85,10 +85,17 @@ async def read_upstream_client(url: str, body: dict[str, Any], kind: str) -> int
 
 
 async def _relay(upstream: Any, body: dict[str, Any]) -> int:
+    """The body fed to a callback, as the worker reads it (over httptools, from the
+    connection's data callback; over other transports, iterated)."""
     reads = 0
+
+    def count(data: bytes) -> bool:
+        nonlocal reads
+        reads += 1
+        return False
+
     async with upstream.stream("default", body) as chunks:
-        async for _ in chunks:
-            reads += 1
+        await chunks.feed(count)
     return reads
 
 
