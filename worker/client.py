@@ -222,11 +222,12 @@ class Client:
         done = await bulk.run([jobs[i : i + batch] for i in range(0, len(jobs), batch)])
         if done.refused:
             job, waiting = done.refused[0]
+            tenant = job.waiting.tenant
             raise QueueFullError(
-                f"tenant {job.tenant!r} has {waiting} jobs waiting, the most "
+                f"tenant {tenant!r} has {waiting} jobs waiting, the most "
                 f"CHATSTREAM_MAX_QUEUED allows: {len(done.queued)} of {len(jobs)} jobs were "
                 "queued (QueueFullError.queued lists them); the others were not",
-                tenant=job.tenant,
+                tenant=tenant,
                 waiting=waiting,
                 queued=done.queued,
             )

@@ -33,14 +33,19 @@ class Job:
     per job instead of the nine of its model (the collector's cost, decision 66)."""
 
     id: str
-    tenant: str
     fields: dict[str, str]
-    push: Push  # id, what waits (tenant, upstream, tokens), priority
+    waiting: Waiting  # its tenant, upstream and tokens
+    priority: str
 
     @classmethod
     def of(cls, spec: JobSpec, fields: dict[str, str]) -> Job:
         waiting = Waiting.of(spec.request, spec.tenant, spec.upstream, len(fields["request"]))
-        return cls(spec.id, spec.tenant, fields, (spec.id, waiting, spec.priority))
+        return cls(spec.id, fields, waiting, spec.priority)
+
+    @property
+    def push(self) -> Push:
+        """What the push script takes of it."""
+        return self.id, self.waiting, self.priority
 
 
 PUSH_CHUNK = 50  # jobs per push script call (Redis runs a call whole: about 1 ms for 50)
