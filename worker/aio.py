@@ -1,9 +1,15 @@
-"""Small asyncio helpers shared by the worker's long-running tasks."""
+"""Small asyncio helpers shared by the worker's long-running tasks, and the set of sockets
+whose news ends a wake-up tick's sleep (``URGENT``, ``worker.service.ticks``)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+import os
+import select
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 
 async def cancel_and_wait(tasks: list[asyncio.Task[Any]]) -> None:
@@ -15,3 +21,91 @@ async def cancel_and_wait(tasks: list[asyncio.Task[Any]]) -> None:
             task.cancel()
         await asyncio.wait(pending, timeout=0.1)
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+HURRY_TICK = 0.001  # the longest sleep while a connection is being made (URGENT.hurry)
+
+
+class HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
+class UrgentSockets:
+    """The sockets whose events end a tick's sleep at once.
+
+    An edge-triggered epoll set of the process's own (the event loop's poll still watches
+    every socket): news on one of these while the loop sleeps out a tick wakes it, news on
+    any other waits for the tick's end. A closed socket leaves the set by itself. While a
+    connection is being made (``hurry``: its socket is not known yet, and its connect and
+    TLS handshake are a chain of hops), a sleep lasts at most ``HURRY_TICK``."""
+
+    EVENTS = getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLET", 0)
+
+    def __init__(self) -> None:
+        self._epoll: Any = None  # select.epoll, made on first use (None: not Linux)
+        self._hurrying = 0
+
+    def watch(self, sock: HasFileno | None) -> None:
+        epoll = self._set()
+        if epoll is None or sock is None:
+            return
+        with contextlib.suppress(OSError, ValueError):  # already watched, or closed
+            epoll.register(sock.fileno(), self.EVENTS)
+
+    def forget(self, sock: HasFileno | None) -> None:
+        if self._epoll is None or sock is None:
+            return
+        with contextlib.suppress(OSError, ValueError):  # not watched, or closed
+            self._epoll.unregister(sock.fileno())
+
+    def watching(self, sock: HasFileno) -> bool:
+        if self._epoll is None:
+            return False
+        try:
+            self._epoll.modify(sock.fileno(), self.EVENTS)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    @property
+    def hurrying(self) -> bool:
+        return self._hurrying > 0
+
+    @contextlib.contextmanager
+    def hurry(self) -> Iterator[None]:
+        self._hurrying += 1
+        try:
+            yield
+        finally:
+            self._hurrying -= 1
+
+    def sleep(self, seconds: float) -> None:
+        """Up to ``seconds``: until then, or until news on a watched socket."""
+        if self._hurrying:
+            seconds = min(seconds, HURRY_TICK)
+        if self._epoll is None:
+            time.sleep(seconds)
+        else:
+            self._epoll.poll(seconds, 64)
+
+    def _set(self) -> Any:
+        if self._epoll is None and hasattr(select, "epoll"):
+            self._epoll = select.epoll()
+        return self._epoll
+
+    def reset(self) -> None:
+        """A forked child starts with an empty set of its own (the parent's is shared)."""
+        if self._epoll is not None:
+            self._epoll.close()  # the child's descriptor only: the parent's set lives on
+        self._epoll, self._hurrying = None, 0
+
+
+URGENT = UrgentSockets()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=URGENT.reset)
+
+
+def socket_of(transport: Any) -> HasFileno | None:
+    """The socket under an asyncio or uvloop transport (None: closed or none)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock if sock is not None and sock.fileno() >= 0 else None

@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import uvicorn
 
+from worker.aio import URGENT, socket_of
 from worker.errors import ConfigError
 
 
@@ -56,7 +58,12 @@ class EmbeddedServer(uvicorn.Server):
             await server.wait_closed()
         await self.lifespan.shutdown()  # the app's shutdown (a no-op with lifespan="off")
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.config.http_protocol_class = _urgent(self.config.http_protocol_class)
+        await super().startup(sockets)
+
     async def start(self, sock: socket.socket) -> asyncio.Task[None]:
+        URGENT.watch(sock)  # a request is answered at once, not at the wake-up tick's end
         task = asyncio.create_task(self.serve(sockets=[sock]), name=f"chatstream-{self.name}")
         ready = asyncio.create_task(self.ready.wait())
         await asyncio.wait((task, ready), return_when=asyncio.FIRST_COMPLETED)
@@ -65,6 +72,26 @@ class EmbeddedServer(uvicorn.Server):
             await task  # raises the start-up error
             raise RuntimeError(f"the {self.name} server did not start")
         return task
+
+
+class _UrgentConnection(asyncio.Protocol):
+    """Mixed into uvicorn's HTTP protocol: the connection's socket joins ``URGENT``."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        URGENT.watch(socket_of(transport))
+
+
+_URGENT_PROTOCOLS: dict[type[Any], type[Any]] = {}
+
+
+def _urgent(protocol: type[Any]) -> type[Any]:
+    if issubclass(protocol, _UrgentConnection):
+        return protocol
+    if protocol not in _URGENT_PROTOCOLS:
+        name = f"Urgent{protocol.__name__}"
+        _URGENT_PROTOCOLS[protocol] = type(name, (_UrgentConnection, protocol), {})
+    return _URGENT_PROTOCOLS[protocol]
 
 
 def bind(host: str, port: int, backlog: int = 128, *, what: str = "a server") -> socket.socket:

@@ -287,9 +287,10 @@ class Settings(BaseSettings):
         4.0,
         ge=0,
         le=20,
-        description="While jobs run, the event loop polls at most once per this many ms, so "
-        "the reads and replies that arrive meanwhile share one wake-up (CPU per token at "
-        "light load; adds at most this much latency); 0 turns it off.",
+        description="While jobs run, the reads of streaming upstream bodies and the "
+        "publisher's replies are handled at most once per this many ms, so they share one "
+        "wake-up (CPU per token at light load; adds at most this much latency to a token, "
+        "none to a job's start or a request); 0 turns it off.",
     )
 
     shutdown_grace_seconds: float = Field(

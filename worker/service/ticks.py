@@ -10,13 +10,23 @@ the publisher's reply, due timers) is handled in one wake-up. A pass that took t
 tick (a busy loop) sleeps not at all, so at high load nothing changes; when no job runs,
 the callback stops and the loop blocks in its poll as before. What it costs: a read or a
 timer waits at most one tick longer before it is handled.
+
+Only the reads of running streams and the publisher's replies are meant to wait: the sleep
+is an ``epoll_wait`` on ``worker.aio.URGENT``, the sockets whose news must not (Redis
+connections but the publisher's, an upstream connection until its body begins, the
+embedded HTTP servers' sockets), so a job's start, a cancel or a reader's request ends the
+sleep at once (docs/decisions.md, 68); on asyncio's own loop a due timer ends it too.
+Elsewhere than Linux the sleep is ``time.sleep``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
+
+from worker.aio import URGENT
 
 EMPTY_PASS = 15e-6  # a pass of the loop shorter than this ran nothing but its poll
 
@@ -27,7 +37,7 @@ class WakeCoalescer:
         tick: float,
         active: Callable[[], bool],
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] = URGENT.sleep,
     ) -> None:
         """``tick`` seconds (0: off); ``active()`` says whether jobs run (else it stops).
         ``clock`` and ``sleep`` are the blocking ones (tests pass fakes)."""
@@ -66,12 +76,36 @@ class WakeCoalescer:
             self._handle = None
             return
         now = self._clock()
-        if now - self._ran_at < EMPTY_PASS:
-            wait = self._tick_began + self._tick - now
+        loop = asyncio.get_running_loop()
+        if self._idle(loop, now):
+            wait = min(self._tick_began + self._tick - now, _next_timer_in(loop))
             if wait > 0:
                 self._sleep(wait)
                 self.sleeps += 1
                 now = self._clock()
             self._tick_began = now
-        self._handle = asyncio.get_running_loop().call_soon(self._pace)
+        self._handle = loop.call_soon(self._pace)
         self._ran_at = self._clock()
+
+    def _idle(self, loop: asyncio.AbstractEventLoop, now: float) -> bool:
+        """Nothing but this callback to run: nothing queued behind it where the loop shows
+        its queue, else a pass that took next to no time."""
+        ready = getattr(loop, "_ready", None)
+        if ready is not None:
+            return not ready
+        return now - self._ran_at < EMPTY_PASS
+
+
+# asyncio's own loop shows what it will run: the callbacks queued behind this one in the
+# pass (``_ready``: the reads its poll just found, the timers just due) and its timers
+# (``_scheduled``). With them the coalescer sleeps only when nothing is queued, and not
+# past the next timer. uvloop shows neither: its reads run before the queued callbacks
+# (a pass shorter than EMPTY_PASS ran nothing else), and its timers fire up to a tick late.
+
+
+def _next_timer_in(loop: asyncio.AbstractEventLoop) -> float:
+    """Seconds until the loop's next timer is due (``inf``: none, or not shown)."""
+    scheduled = getattr(loop, "_scheduled", None)
+    if not scheduled:
+        return math.inf
+    return float(scheduled[0].when()) - loop.time()

@@ -25,6 +25,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from worker.aio import URGENT, HasFileno, socket_of
+
 try:  # what redis-py's hiredis reader answers while a reply is incomplete
     from redis._parsers.hiredis import NOT_ENOUGH_DATA
 except ImportError:  # pragma: no cover (another redis-py: read through redis-py)
@@ -99,6 +101,7 @@ class ConnectionSender:
             async with asyncio.timeout(self._timeout):
                 if not connection.is_connected:  # connect(): a Sentinel's finds the master
                     await connection.connect()  # type: ignore[no-untyped-call]
+                    URGENT.forget(_socket(connection))  # its replies wait for the tick
                 await connection.send_packed_command(self._pack(commands), check_health=False)
                 return await _replies(connection, len(commands))
         except TimeoutError:
@@ -113,6 +116,10 @@ class ConnectionSender:
 
     async def aclose(self) -> None:
         await self._connection.disconnect()
+
+
+def _socket(connection: AbstractConnection) -> HasFileno | None:
+    return socket_of(getattr(getattr(connection, "_writer", None), "transport", None))
 
 
 async def _replies(connection: AbstractConnection, count: int) -> list[Any]:

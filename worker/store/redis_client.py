@@ -43,6 +43,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker import speedups
+from worker.aio import URGENT, socket_of
 from worker.errors import RedisUnavailableError
 from worker.retry import RedisBackoff
 from worker.settings import Settings
@@ -112,7 +113,16 @@ class ClosedTransportGuard(AbstractConnection):
     is closed") under uvloop, ``TypeError`` or ``AttributeError`` on some CPythons
     (redis-py#4287, uvloop#506). None is a ``RedisError``, so no retry applied and a
     failover crashed a worker's queue read or a Sentinel reconnect. Which it was is told by
-    the transport's state, not by the message."""
+    the transport's state, not by the message.
+
+    Its socket is one of ``URGENT``'s: a reply ends a wake-up tick's sleep at once (the
+    publisher's connection leaves the set: ``ConnectionSender``)."""
+
+    async def _connect(self) -> None:
+        with URGENT.hurry():
+            await super()._connect()  # type: ignore[safe-super, no-untyped-call]
+        writer = getattr(self, "_writer", None)
+        URGENT.watch(socket_of(getattr(writer, "transport", None)))
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True

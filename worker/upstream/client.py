@@ -29,6 +29,7 @@ from contextlib import (
     AbstractContextManager,
     asynccontextmanager,
     contextmanager,
+    nullcontext,
 )
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -45,6 +46,7 @@ from tenacity import (
     wait_none,
 )
 
+from worker.aio import URGENT
 from worker.errors import (
     ProtocolError,
     RetryableUpstreamError,
@@ -178,6 +180,10 @@ class UpstreamClient:
         self._timeout = _timeouts(settings)
         self._owns_http = http is None
         self._http = http if http is not None else _new_http_client(settings, self._timeout)
+        # our transport puts its sockets in URGENT until the first token; under another,
+        # the wake-up tick is shortened until the first byte (worker.aio.UrgentSockets)
+        watched = self._owns_http and chosen_transport(settings) == "httptools"
+        self._until_first_byte = nullcontext if watched else URGENT.hurry
         self._on_retry = on_retry
         self.gates: dict[str, UpstreamGate] = {}
         guard_http_logs(secrets_of(settings))
@@ -297,15 +303,19 @@ class UpstreamClient:
         deadline = self._settings.first_byte_timeout
         with _translate_httpx_errors(name, request.url, streaming=False, deadline=deadline):
             async with asyncio.timeout(deadline):
-                response = await self._http.send(request, stream=True)
-                try:
-                    await _check_response(name, target, response)
-                    raw = _is_raw(response)
-                    chunks = response.aiter_raw() if raw else response.aiter_bytes()
-                    first = await _first_chunk(name, chunks)
-                except BaseException:
-                    await response.aclose()
-                    raise
+                with self._until_first_byte():
+                    return await self._first_byte(name, target, request)
+
+    async def _first_byte(self, name: str, target: Upstream, request: httpx.Request) -> _Opened:
+        response = await self._http.send(request, stream=True)
+        try:
+            await _check_response(name, target, response)
+            raw = _is_raw(response)
+            chunks = response.aiter_raw() if raw else response.aiter_bytes()
+            first = await _first_chunk(name, chunks)
+        except BaseException:
+            await response.aclose()
+            raise
         return _Opened(response, chunks, first, raw)
 
     def _before_sleep(self, gate: UpstreamGate) -> Callable[[RetryCallState], None]:

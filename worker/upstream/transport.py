@@ -29,6 +29,7 @@ from typing import Any
 import httptools
 import httpx
 
+from worker.aio import URGENT, socket_of
 from worker.upstream import BODY_EXTENSION
 
 HIGH_WATER = 256 * 1024  # buffered unread body bytes before the socket stops being read
@@ -38,6 +39,9 @@ NO_RESPONSE = "Server disconnected without sending a response."
 CUT_BODY = "peer closed connection without sending complete message body"
 Key = tuple[str, str, int]  # scheme, host, port
 Consume = Callable[[bytes], bool]  # takes one read of the body; True: stop reading
+# reads of a body handled at once, before the rest wait for the wake-up tick (URGENT): the
+# first byte (often a chunk with the role alone) and the read after it (the first token)
+URGENT_BODY_READS = 2
 
 
 class _Connection(asyncio.Protocol):
@@ -53,6 +57,7 @@ class _Connection(asyncio.Protocol):
         self.drain: asyncio.Future[None] | None = None
         self.idle_since = 0.0
         self.busy = False  # carrying a request (else data from the server is a protocol error)
+        self.urgent_reads = 0  # body reads left before the socket leaves URGENT
         self._reset()
 
     def _reset(self) -> None:
@@ -87,6 +92,8 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"), exc)
             self.close()
             return
+        if self.urgent_reads and self.chunks:
+            self._count_urgent_read()
         if self.consume is not None and self.chunks:
             self._feed_consumer()
             return
@@ -94,6 +101,11 @@ class _Connection(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()
         self._wake()
+
+    def _count_urgent_read(self) -> None:
+        self.urgent_reads -= 1
+        if not self.urgent_reads:
+            URGENT.forget(socket_of(self.transport))
 
     def eof_received(self) -> bool:
         return False  # close the transport (and, over TLS, the connection)
@@ -228,6 +240,8 @@ class _Connection(asyncio.Protocol):
             cause = self.error or ConnectionResetError("the connection is closed")
             raise _chained(httpx.WriteError, "the connection is closed", cause)
         self.busy = True
+        URGENT.watch(socket_of(transport))  # the response's head is handled at once
+        self.urgent_reads = URGENT_BODY_READS
         transport.write(head + body)
         if self.drain is not None:
             try:
@@ -467,7 +481,8 @@ async def _connect(key: Key, context: ssl.SSLContext, timeout: float | None) -> 
     tls: dict[str, Any] = {"ssl": context, "server_hostname": host} if scheme == "https" else {}
     try:
         async with asyncio.timeout(timeout):
-            await loop.create_connection(lambda: connection, host, port, **tls)
+            with URGENT.hurry():  # connect and TLS handshake: hops the tick must not slow
+                await loop.create_connection(lambda: connection, host, port, **tls)
     except TimeoutError as exc:
         raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
     except OSError as exc:  # ssl.SSLError and socket.gaierror are OSErrors too

@@ -1,15 +1,29 @@
 """WakeCoalescer: the loop sleeps out the tick only once it has gone idle, and only while
 jobs run (a fake clock: the loop's own passes take no time, work takes what it says);
-and a real worker turns it on for a job and off after it."""
+and a real worker turns it on for a job and off after it. UrgentSockets: news on a
+watched socket ends the sleep, news on any other waits; which of a worker's sockets are
+watched (its Redis connections but the publisher's)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
+from typing import Any
 
 import pytest
+import uvicorn
+from redis.asyncio import Redis
 
 from tests.helpers.harness import Harness, chat
+from tests.helpers.servers import RedisServer
+from worker.aio import URGENT, UrgentSockets, socket_of
+from worker.embedded_server import EmbeddedServer, bind, served
 from worker.service.ticks import WakeCoalescer
+from worker.settings import Settings
+from worker.store.batch import ConnectionSender
+from worker.store.redis_client import redis_from_settings
 
 TICK = 0.004
 
@@ -28,8 +42,10 @@ class FakeClock:
 
 
 async def passes(n: int) -> None:
+    """Idle passes of the loop: nothing queued and no timer while the test waits (for a
+    thread), so the coalescer sleeps (the fake clock's sleep returns at once)."""
     for _ in range(n):
-        await asyncio.sleep(0)
+        await asyncio.to_thread(time.sleep, 0.001)
 
 
 async def test_an_idle_loop_sleeps_one_tick_per_pass_while_jobs_run() -> None:
@@ -88,6 +104,23 @@ async def test_a_zero_tick_never_runs() -> None:
     assert not coalescer.running and clock.slept == []
 
 
+async def test_on_asyncios_loop_a_timer_ends_the_sleep_when_it_is_due() -> None:
+    """A 20 ms timer under a 1 s tick fires on time: the sleep ends when it is due."""
+    coalescer = WakeCoalescer(1.0, lambda: True)
+    loop = asyncio.get_running_loop()
+    fired = loop.create_future()
+    coalescer.resume()
+    try:
+        await passes(3)  # the coalescer's first sleep begins with nothing due
+        began = time.monotonic()
+        loop.call_later(0.02, fired.set_result, None)
+        await fired
+        assert time.monotonic() - began < 0.5
+    finally:
+        coalescer.stop()
+    assert coalescer.sleeps > 0
+
+
 async def test_a_worker_paces_its_loop_only_while_it_runs_jobs(harness: Harness) -> None:
     ticks = harness.worker.ticks
     assert not ticks.running and ticks.sleeps == 0  # started, no job yet: no pacing
@@ -96,3 +129,88 @@ async def test_a_worker_paces_its_loop_only_while_it_runs_jobs(harness: Harness)
     await passes(2)
     assert ticks.sleeps > 0  # the job waited for its upstream and Redis in ticks
     assert not ticks.running  # no job runs: the loop blocks in its poll again
+
+
+# -- UrgentSockets: what may end a sleep early --------------------------------------------
+
+
+def slept(urgent: UrgentSockets, seconds: float) -> float:
+    began = time.monotonic()
+    urgent.sleep(seconds)
+    return time.monotonic() - began
+
+
+def test_news_on_a_watched_socket_ends_the_sleep() -> None:
+    urgent = UrgentSockets()
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        urgent.watch(ours)
+        assert urgent.watching(ours)
+        threading.Timer(0.05, peer.send, [b"x"]).start()
+        assert slept(urgent, 5.0) < 2.5
+
+
+def test_news_on_any_other_socket_waits_for_the_sleeps_end() -> None:
+    urgent = UrgentSockets()
+    forgotten, peer = socket.socketpair()
+    unwatched, other_peer = socket.socketpair()
+    with forgotten, peer, unwatched, other_peer:
+        urgent.watch(forgotten)
+        urgent.forget(forgotten)
+        assert not urgent.watching(forgotten) and not urgent.watching(unwatched)
+        peer.send(b"x")
+        other_peer.send(b"y")
+        assert slept(urgent, 0.1) >= 0.095
+
+
+def test_while_a_connection_is_made_a_sleep_is_short() -> None:
+    urgent = UrgentSockets()
+    with urgent.hurry():
+        assert slept(urgent, 5.0) < 1.0
+    assert slept(urgent, 0.05) >= 0.045  # the hurry is over
+
+
+async def test_a_workers_redis_connections_are_watched_but_the_publishers(
+    settings: Settings, redis_server: RedisServer | None
+) -> None:
+    """A reply to a job's start or a cancel ends the tick's sleep; the publisher's replies
+    wait for the tick with the reads they share it with."""
+    if redis_server is None:
+        pytest.skip("no redis-server: no connections to watch")
+    redis = redis_from_settings(settings)
+    assert isinstance(redis, Redis)
+    sender = ConnectionSender(redis)
+    try:
+        assert await redis.ping()
+        assert await sender.send([("PING",)]) == [b"PONG"]
+        pool = redis.connection_pool
+        pooled = [
+            socket_of(getattr(c._writer, "transport", None)) for c in pool._available_connections
+        ]
+        assert pooled and all(s is not None and URGENT.watching(s) for s in pooled)
+        published = socket_of(getattr(sender._connection._writer, "transport", None))
+        assert published is not None and not URGENT.watching(published)
+    finally:
+        await sender.aclose()
+        await redis.aclose()
+
+
+async def test_an_embedded_servers_sockets_are_watched() -> None:
+    """The gateway, the metrics server and the in-process mock share a worker's loop in
+    some deployments and in tests: a request to them ends the tick's sleep."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    config = uvicorn.Config(app, log_config=None, lifespan="off")
+    server = EmbeddedServer(config, grace=0.1)
+    listening = bind("127.0.0.1", 0)
+    async with served(server, listening) as port:
+        assert URGENT.watching(listening)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        accepted = [socket_of(p.transport) for p in server.server_state.connections]
+        assert accepted and all(s is not None and URGENT.watching(s) for s in accepted)
+        writer.close()

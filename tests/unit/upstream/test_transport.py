@@ -21,9 +21,11 @@ import httpx
 import pytest
 
 from tests.helpers.tls import make_certs
+from worker.aio import URGENT, socket_of
 from worker.errors import ConfigError, RetryableUpstreamError, UpstreamTimeoutError
 from worker.settings import Settings
 from worker.speedups import chosen_transport
+from worker.upstream import BODY_EXTENSION
 from worker.upstream.client import UpstreamClient
 from worker.upstream.transport import HIGH_WATER, HttptoolsTransport, _Connection
 
@@ -593,6 +595,57 @@ async def test_a_fed_body_that_keeps_coming_is_not_timed_out_but_a_stall_is() ->
         with pytest.raises(UpstreamTimeoutError, match=r"no data for 0\.3s"):
             await fed(client)
         assert 0.3 <= time.monotonic() - began < 0.9
+
+
+async def test_a_response_is_urgent_until_its_second_body_read() -> None:
+    """The head, the first byte and the read after it (the first token) end a wake-up
+    tick's sleep; the body's further reads wait for the tick (worker.aio.URGENT)."""
+    writes: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await writes.get():
+            writer.write(data)
+            await writer.drain()
+
+    async with server(serve) as url, http() as client:
+        await writes.put(HEAD)
+        async with client.stream("POST", url, json=BODY) as response:
+            body = response.extensions[BODY_EXTENSION]
+            sock = socket_of(body._connection.transport)
+            assert sock is not None and URGENT.watching(sock)
+            reads = response.aiter_raw()
+            for urgent in (True, False):
+                await writes.put(chunked(EVENT))
+                assert await anext(reads) == EVENT
+                assert URGENT.watching(sock) is urgent
+            await writes.put(chunked(DONE) + b"0\r\n\r\n")
+            assert [data async for data in reads] == [DONE]
+        await writes.put(b"")
+
+
+@pytest.mark.parametrize("transport", ["httptools", "httpx"])
+async def test_under_httpxs_transport_the_tick_is_short_until_the_first_byte(
+    transport: str,
+) -> None:
+    """httpx's own transport does not show its sockets: while a try waits for its first
+    byte, the wake-up tick's sleeps are short instead (ours watches the socket)."""
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.set()
+        await answer.wait()
+        await sse_once(reader, writer)
+
+    async with (
+        server(serve) as url,
+        UpstreamClient(settings_for(url, http_transport=transport)) as client,
+    ):
+        reading = asyncio.create_task(collect(client))
+        await asked.wait()
+        assert URGENT.hurrying is (transport == "httpx")
+        answer.set()
+        assert await reading == EVENT + DONE
+        assert not URGENT.hurrying
 
 
 async def test_a_request_body_of_unknown_length_is_sent_chunked() -> None:
