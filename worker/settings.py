@@ -284,7 +284,7 @@ class Settings(BaseSettings):
         1_000, ge=1, description="Most jobs written per publish round trip (pipeline)."
     )
     wake_tick_ms: float = Field(
-        4.0,
+        12.0,
         ge=0,
         le=20,
         description="While jobs run, the reads of streaming upstream bodies and the "

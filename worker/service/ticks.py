@@ -48,6 +48,7 @@ class WakeCoalescer:
         self._handle: asyncio.Handle | None = None
         self._ran_at = 0.0  # monotonic time at which the previous pass's callback returned
         self._tick_began = 0.0  # ... at which the last sleep ended
+        self._quiet = False  # the previous pass was a quiet one too
         self.sleeps = 0  # how often the loop was put to sleep (tests)
 
     def resume(self) -> None:
@@ -83,24 +84,28 @@ class WakeCoalescer:
                 self._sleep(wait)
                 self.sleeps += 1
                 now = self._clock()
-            self._tick_began = now
+            self._tick_began, self._quiet = now, False  # what woke it runs before the next
         self._handle = loop.call_soon(self._pace)
         self._ran_at = self._clock()
 
     def _idle(self, loop: asyncio.AbstractEventLoop, now: float) -> bool:
         """Nothing but this callback to run: nothing queued behind it where the loop shows
-        its queue, else a pass that took next to no time."""
+        its queue; else two passes in a row that took next to no time, the pass a sleep
+        ended not counted (what woke the loop may be queued behind this callback)."""
         ready = getattr(loop, "_ready", None)
         if ready is not None:
             return not ready
-        return now - self._ran_at < EMPTY_PASS
+        quiet = now - self._ran_at < EMPTY_PASS
+        was_quiet, self._quiet = self._quiet, quiet
+        return quiet and was_quiet
 
 
 # asyncio's own loop shows what it will run: the callbacks queued behind this one in the
 # pass (``_ready``: the reads its poll just found, the timers just due) and its timers
 # (``_scheduled``). With them the coalescer sleeps only when nothing is queued, and not
-# past the next timer. uvloop shows neither: its reads run before the queued callbacks
-# (a pass shorter than EMPTY_PASS ran nothing else), and its timers fire up to a tick late.
+# past the next timer. uvloop shows neither: what its poll found runs before the queued
+# callbacks but may queue more behind this one, hence ``_idle``'s two quick passes; its
+# timers fire up to a tick late (a pause that matters is taken under ``URGENT.hurry``).
 
 
 def _next_timer_in(loop: asyncio.AbstractEventLoop) -> float:

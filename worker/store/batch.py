@@ -57,6 +57,10 @@ class BatchSender(Protocol):
         """Release what the sender holds of its own (a connection); it is not used again."""
         ...
 
+    def expedite(self, on: bool) -> None:
+        """While on, a reply ends the wake-up tick's sleep (``worker.aio.URGENT``)."""
+        ...
+
 
 class PipelineSender:
     """redis-py's pipeline (``transaction=False``), on the client's connection pool."""
@@ -72,6 +76,9 @@ class PipelineSender:
 
     async def aclose(self) -> None:
         pass  # the pool belongs to the client
+
+    def expedite(self, on: bool) -> None:
+        pass  # the pool's connections are watched anyway
 
 
 class ConnectionSender:
@@ -94,6 +101,7 @@ class ConnectionSender:
         kwargs["socket_timeout"] = None  # one deadline per round trip, below
         self._connection: AbstractConnection = connection_class(**kwargs)
         self._pack = packer(self._connection, kwargs.get("parser_class", DefaultParser))
+        self._expedited = False  # replies end the tick's sleep (else they wait for its end)
 
     async def send(self, commands: list[Command]) -> list[Any]:
         connection = self._connection
@@ -101,7 +109,7 @@ class ConnectionSender:
             async with asyncio.timeout(self._timeout):
                 if not connection.is_connected:  # connect(): a Sentinel's finds the master
                     await connection.connect()  # type: ignore[no-untyped-call]
-                    URGENT.forget(_socket(connection))  # its replies wait for the tick
+                    self.expedite(self._expedited)  # (connections join URGENT)
                 await connection.send_packed_command(self._pack(commands), check_health=False)
                 return await _replies(connection, len(commands))
         except TimeoutError:
@@ -116,6 +124,11 @@ class ConnectionSender:
 
     async def aclose(self) -> None:
         await self._connection.disconnect()
+
+    def expedite(self, on: bool) -> None:
+        self._expedited = on
+        if self._connection.is_connected:
+            (URGENT.watch if on else URGENT.forget)(_socket(self._connection))
 
 
 def _socket(connection: AbstractConnection) -> HasFileno | None:

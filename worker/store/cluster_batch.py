@@ -57,6 +57,7 @@ class ClusterSender:
         self._senders: dict[Node, ConnectionSender] = {}
         self._stale_map = False
         self._refreshed_at = 0.0
+        self._expedited = False
 
     async def send(self, commands: list[Command]) -> list[Any]:
         await self._refresh_if_stale()
@@ -69,6 +70,11 @@ class ClusterSender:
     async def aclose(self) -> None:
         senders, self._senders = list(self._senders.values()), {}
         await asyncio.gather(*(sender.aclose() for sender in senders), return_exceptions=True)
+
+    def expedite(self, on: bool) -> None:
+        self._expedited = on
+        for sender in self._senders.values():
+            sender.expedite(on)
 
     async def _send_grouped(
         self, commands: list[Command], indexes: Iterable[int], replies: list[Any]
@@ -131,6 +137,7 @@ class ClusterSender:
             template = self._cluster.get_default_node()
             kwargs = {**template.connection_kwargs, "host": address[0], "port": address[1]}
             sender = ConnectionSender(connection_class=template.connection_class, **kwargs)
+            sender.expedite(self._expedited)
             self._senders[address] = sender
         return sender
 

@@ -28,12 +28,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
-from worker.aio import cancel_and_wait
+from worker.aio import URGENT, cancel_and_wait
 from worker.protocol.accumulator import Delta
 from worker.retry import REDIS_WAIT, pause
 from worker.store.batch import BatchSender, Command
@@ -46,6 +47,10 @@ log = logging.getLogger("chatstream.publisher")
 
 WARN_EVERY = 10.0  # seconds between warnings while Redis keeps refusing writes
 ROUND_TRIP_EVERY = 0.002  # under load, at most one round trip per this many seconds
+# an attempt's first delta entries (the role's, the first token) and its terminal entry are
+# expedited: the round trips that carry them, and the one in flight, end the wake-up
+# tick's sleep with their replies (worker.aio.URGENT); the rest wait for the tick
+EXPEDITED_DELTAS = 2
 DELTA, TERMINAL = "delta", "terminal"
 
 
@@ -152,6 +157,7 @@ class Publisher:
         self._task: asyncio.Task[None] | None = None
         self._refused = 0  # writes refused since the last warning
         self._warned_at: float | None = None
+        self._expedited = False  # an expedited entry waits for (or rides) a round trip
 
     def open(self, job_id: str, attempt: int) -> JobStream:
         return JobStream(job_id, attempt)
@@ -162,6 +168,8 @@ class Publisher:
             return
         if stream.pending is None:
             stream.pending = delta
+            if stream.seq < EXPEDITED_DELTAS:
+                self._expedite()
         else:
             stream.pending.merge(delta)
         self._mark(stream)
@@ -177,6 +185,7 @@ class Publisher:
         if self._replication is not None:
             return await self._finish_replicated(stream, terminal, self._replication)
         stream.terminal = terminal
+        self._expedite()
         self._mark(stream)
         return await asyncio.shield(terminal.done) == WRITTEN
 
@@ -212,6 +221,11 @@ class Publisher:
         while not stream.stale and (stream.pending is not None or stream.unconfirmed):
             self._round_trip_done.clear()
             await self._round_trip_done.wait()
+
+    def _expedite(self) -> None:
+        if not self._expedited:
+            self._expedited = True
+            self._sender.expedite(True)
 
     def _mark(self, stream: JobStream) -> None:
         self._dirty[(stream.job_id, stream.attempt)] = stream
@@ -253,7 +267,9 @@ class Publisher:
             self._wake.clear()
             now, batch, next_due = loop.time(), [], None
             if self._dirty and now < self._not_before:
-                await asyncio.sleep(self._not_before - now)
+                # (an expedited entry waits: the tick must not make the pause longer)
+                with URGENT.hurry() if self._expedited else nullcontext():
+                    await asyncio.sleep(self._not_before - now)
                 continue
             for key, stream in list(self._dirty.items()):
                 if stream.due <= now:
@@ -290,7 +306,12 @@ class Publisher:
                 )
                 plan.append((stream, TERMINAL, 0))
         self._not_before = loop.time() + self._round_trip_every  # from this send on
-        results = await self._sender.send(commands)
+        expedited, self._expedited = self._expedited, False  # (this batch carries them)
+        try:
+            results = await self._sender.send(commands)
+        finally:
+            if expedited and not self._expedited:
+                self._sender.expedite(False)
         if self._on_batch is not None:
             self._on_batch(len(plan), loop.time() - began)
         await self._settle(batch, plan, results)

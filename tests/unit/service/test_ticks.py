@@ -190,6 +190,10 @@ async def test_a_workers_redis_connections_are_watched_but_the_publishers(
         assert pooled and all(s is not None and URGENT.watching(s) for s in pooled)
         published = socket_of(getattr(sender._connection._writer, "transport", None))
         assert published is not None and not URGENT.watching(published)
+        sender.expedite(True)  # a round trip carrying a job's first token or its end
+        assert URGENT.watching(published)
+        sender.expedite(False)
+        assert not URGENT.watching(published)
     finally:
         await sender.aclose()
         await redis.aclose()
@@ -214,3 +218,28 @@ async def test_an_embedded_servers_sockets_are_watched() -> None:
         accepted = [socket_of(p.transport) for p in server.server_state.connections]
         assert accepted and all(s is not None and URGENT.watching(s) for s in accepted)
         writer.close()
+
+
+def test_on_uvloop_what_woke_the_loop_runs_before_the_next_sleep() -> None:
+    """uvloop shows no queue: a reply's callbacks (here a task waiting for a read) are
+    queued behind the coalescer in the pass that woke it; they run before it sleeps again."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> float:
+        coalescer = WakeCoalescer(0.5, lambda: True, clock=lambda: 0.0)  # every pass quick
+        ours, peer = socket.socketpair()
+        ours.setblocking(False)
+        with ours, peer:
+            URGENT.watch(ours)
+            coalescer.resume()
+            try:
+                await asyncio.sleep(0.01)
+                threading.Timer(0.05, peer.send, [b"x"]).start()
+                began = time.monotonic()
+                assert await asyncio.get_running_loop().sock_recv(ours, 1) == b"x"
+                return time.monotonic() - began
+            finally:
+                coalescer.stop()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(main()) < 0.4

@@ -191,6 +191,7 @@ class Recording:
     def __init__(self) -> None:
         self.began: list[float] = []
         self.sizes: list[int] = []
+        self.expedited: list[tuple[bool, int]] = []  # (on, round trips begun by then)
 
     async def send(self, commands: list[Command]) -> list[Any]:
         self.began.append(asyncio.get_running_loop().time())
@@ -200,6 +201,9 @@ class Recording:
 
     async def aclose(self) -> None:
         pass
+
+    def expedite(self, on: bool) -> None:
+        self.expedited.append((on, len(self.began)))
 
 
 async def test_under_load_round_trips_are_paced_and_carry_many_jobs(
@@ -233,6 +237,30 @@ async def test_a_delta_after_a_quiet_spell_goes_out_without_waiting(
     publisher.publish(stream, Delta(content="x"))
     batch = await asyncio.wait_for(publisher._next_batch(), 1)  # no hour-long pause
     assert batch == [stream]
+
+
+async def test_a_jobs_first_entries_and_its_end_are_expedited_the_rest_wait(
+    settings: Settings, redis: Redis
+) -> None:
+    """The round trips carrying an attempt's first two delta entries or its terminal entry
+    have their replies end the wake-up tick's sleep; a later delta's does not."""
+    records = Records(redis, Keys(settings.prefix), 3600)
+    sender = Recording()
+    publisher = Publisher(redis, records, sender=sender, round_trip_every=0.0)
+    stream = publisher.open("job", 1)
+    publisher.start()
+    try:
+        for _ in range(4):
+            publisher.publish(stream, Delta(content="x"))
+            await asyncio.sleep(0.01)  # each its own round trip
+        assert len(sender.began) == 4
+        assert sender.expedited == [(True, 0), (False, 1), (True, 1), (False, 2)]
+        ending = asyncio.create_task(publisher.finish(stream, done("xxxx")))
+        await asyncio.sleep(0.01)
+    finally:
+        await publisher.stop()
+    assert sender.expedited[4:] == [(True, 4), (False, 5)]
+    assert ending.done()
 
 
 async def test_flush_returns_once_the_deltas_handed_over_have_landed(
