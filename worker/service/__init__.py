@@ -10,8 +10,9 @@
                 stranded entries, cancel requests
 ``pipeline``    ``run_job()``: one attempt's whole data flow, top to bottom
 ``notices``     ``waiting`` entries: a job's readers learn that (and why) it waits
-``ticks``       ``WakeCoalescer``: while jobs run, the event loop polls at most once per
-                tick (``CHATSTREAM_WAKE_TICK_MS``), so reads and replies share wake-ups
+``ticks``       ``WakeCoalescer``: while jobs run, stream reads and the publisher's
+                replies are handled once per tick (``CHATSTREAM_WAKE_TICK_MS``) and share
+                wake-ups; a job's start, its end and requests go through at once
 ``metrics``     Prometheus metrics
 ``tracing``     OpenTelemetry: the attempt's span and the GenAI metrics (or nothing)
 ``health``      ``/metrics``, ``/healthz``, ``/readyz`` on ``CHATSTREAM_METRICS_PORT``

@@ -84,7 +84,9 @@ class WakeCoalescer:
                 self._sleep(wait)
                 self.sleeps += 1
                 now = self._clock()
-            self._tick_began, self._quiet = now, False  # what woke it runs before the next
+            if now >= self._tick_began + self._tick:  # (else news woke it: the tick goes on)
+                self._tick_began = now
+            self._quiet = False  # what woke it runs before the next sleep
         self._handle = loop.call_soon(self._pace)
         self._ran_at = self._clock()
 

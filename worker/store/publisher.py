@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,10 +46,10 @@ log = logging.getLogger("chatstream.publisher")
 
 WARN_EVERY = 10.0  # seconds between warnings while Redis keeps refusing writes
 ROUND_TRIP_EVERY = 0.002  # under load, at most one round trip per this many seconds
-# an attempt's first delta entries (the role's, the first token) and its terminal entry are
-# expedited: the round trips that carry them, and the one in flight, end the wake-up
-# tick's sleep with their replies (worker.aio.URGENT); the rest wait for the tick
-EXPEDITED_DELTAS = 2
+# A round trip's reply ends the wake-up tick's sleep (worker.aio.URGENT) when something
+# waits for it: entries handed over while it is in flight (the next round trip's: a job's
+# first token, or a busy loop's next batch), or a terminal entry it carries (the job's end
+# waits for it). Else the reply waits for the tick, with the reads it shares the wake-up with.
 DELTA, TERMINAL = "delta", "terminal"
 
 
@@ -157,7 +156,8 @@ class Publisher:
         self._task: asyncio.Task[None] | None = None
         self._refused = 0  # writes refused since the last warning
         self._warned_at: float | None = None
-        self._expedited = False  # an expedited entry waits for (or rides) a round trip
+        self._in_flight = False  # a round trip was sent and its replies are not all read
+        self._expedited = False  # ... and its replies end the tick's sleep
 
     def open(self, job_id: str, attempt: int) -> JobStream:
         return JobStream(job_id, attempt)
@@ -168,8 +168,6 @@ class Publisher:
             return
         if stream.pending is None:
             stream.pending = delta
-            if stream.seq < EXPEDITED_DELTAS:
-                self._expedite()
         else:
             stream.pending.merge(delta)
         self._mark(stream)
@@ -185,7 +183,6 @@ class Publisher:
         if self._replication is not None:
             return await self._finish_replicated(stream, terminal, self._replication)
         stream.terminal = terminal
-        self._expedite()
         self._mark(stream)
         return await asyncio.shield(terminal.done) == WRITTEN
 
@@ -222,14 +219,16 @@ class Publisher:
             self._round_trip_done.clear()
             await self._round_trip_done.wait()
 
-    def _expedite(self) -> None:
-        if not self._expedited:
-            self._expedited = True
-            self._sender.expedite(True)
-
     def _mark(self, stream: JobStream) -> None:
         self._dirty[(stream.job_id, stream.attempt)] = stream
         self._wake.set()
+        if self._in_flight:
+            self._expedite(True)
+
+    def _expedite(self, on: bool) -> None:
+        if on != self._expedited:
+            self._expedited = on
+            self._sender.expedite(on)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="chatstream-publisher")
@@ -267,8 +266,7 @@ class Publisher:
             self._wake.clear()
             now, batch, next_due = loop.time(), [], None
             if self._dirty and now < self._not_before:
-                # (an expedited entry waits: the tick must not make the pause longer)
-                with URGENT.hurry() if self._expedited else nullcontext():
+                with URGENT.hurry():  # (uvloop's timers fire up to a wake-up tick late)
                     await asyncio.sleep(self._not_before - now)
                 continue
             for key, stream in list(self._dirty.items()):
@@ -306,12 +304,13 @@ class Publisher:
                 )
                 plan.append((stream, TERMINAL, 0))
         self._not_before = loop.time() + self._round_trip_every  # from this send on
-        expedited, self._expedited = self._expedited, False  # (this batch carries them)
+        self._in_flight = True
+        self._expedite(bool(self._dirty) or any(op[1] == TERMINAL for op in plan))
         try:
             results = await self._sender.send(commands)
         finally:
-            if expedited and not self._expedited:
-                self._sender.expedite(False)
+            self._in_flight = False
+            self._expedite(False)
         if self._on_batch is not None:
             self._on_batch(len(plan), loop.time() - began)
         await self._settle(batch, plan, results)

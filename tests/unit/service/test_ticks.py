@@ -74,6 +74,22 @@ async def test_no_sleep_while_callbacks_keep_the_loop_busy() -> None:
     assert clock.slept[0] == pytest.approx(TICK)
 
 
+async def test_news_that_ends_a_sleep_early_does_not_restart_the_tick() -> None:
+    """Woken 1 ms into a 4 ms tick (a job's start): the reads waiting for the tick are
+    handled when it ends, 3 ms later, not a whole tick after the news."""
+    clock = FakeClock()
+
+    def woken_early_once(seconds: float) -> None:
+        clock.slept.append(seconds)
+        clock.now += 0.001 if len(clock.slept) == 1 else seconds
+
+    coalescer = WakeCoalescer(TICK, lambda: True, clock, woken_early_once)
+    coalescer.resume()
+    await passes(3)
+    coalescer.stop()
+    assert clock.slept[:3] == pytest.approx([TICK, TICK - 0.001, TICK])
+
+
 async def test_it_stops_when_no_job_runs_and_resumes_with_the_next() -> None:
     clock = FakeClock()
     jobs = [1]
@@ -170,11 +186,11 @@ def test_while_a_connection_is_made_a_sleep_is_short() -> None:
     assert slept(urgent, 0.05) >= 0.045  # the hurry is over
 
 
-async def test_a_workers_redis_connections_are_watched_but_the_publishers(
+async def test_a_workers_redis_connections_are_watched_the_publishers_when_expedited(
     settings: Settings, redis_server: RedisServer | None
 ) -> None:
-    """A reply to a job's start or a cancel ends the tick's sleep; the publisher's replies
-    wait for the tick with the reads they share it with."""
+    """A reply to a job's start or a cancel ends the tick's sleep; the publisher's only
+    while something waits for it (else it shares the tick's wake-up with the reads)."""
     if redis_server is None:
         pytest.skip("no redis-server: no connections to watch")
     redis = redis_from_settings(settings)
@@ -190,7 +206,7 @@ async def test_a_workers_redis_connections_are_watched_but_the_publishers(
         assert pooled and all(s is not None and URGENT.watching(s) for s in pooled)
         published = socket_of(getattr(sender._connection._writer, "transport", None))
         assert published is not None and not URGENT.watching(published)
-        sender.expedite(True)  # a round trip carrying a job's first token or its end
+        sender.expedite(True)
         assert URGENT.watching(published)
         sender.expedite(False)
         assert not URGENT.watching(published)

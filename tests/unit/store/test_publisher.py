@@ -239,28 +239,38 @@ async def test_a_delta_after_a_quiet_spell_goes_out_without_waiting(
     assert batch == [stream]
 
 
-async def test_a_jobs_first_entries_and_its_end_are_expedited_the_rest_wait(
+class SlowRecording(Recording):
+    """Each round trip takes 20 ms (its reply is what a sleeping loop would wait for)."""
+
+    async def send(self, commands: list[Command]) -> list[Any]:
+        replies = await super().send(commands)
+        await asyncio.sleep(0.02)
+        return replies
+
+
+async def test_a_reply_is_expedited_when_something_waits_for_it(
     settings: Settings, redis: Redis
 ) -> None:
-    """The round trips carrying an attempt's first two delta entries or its terminal entry
-    have their replies end the wake-up tick's sleep; a later delta's does not."""
+    """A round trip's reply ends the wake-up tick's sleep only while entries handed over
+    after it was sent wait for the next one, or when it carries a job's end."""
     records = Records(redis, Keys(settings.prefix), 3600)
-    sender = Recording()
+    sender = SlowRecording()
     publisher = Publisher(redis, records, sender=sender, round_trip_every=0.0)
     stream = publisher.open("job", 1)
     publisher.start()
     try:
-        for _ in range(4):
-            publisher.publish(stream, Delta(content="x"))
-            await asyncio.sleep(0.01)  # each its own round trip
-        assert len(sender.began) == 4
-        assert sender.expedited == [(True, 0), (False, 1), (True, 1), (False, 2)]
-        ending = asyncio.create_task(publisher.finish(stream, done("xxxx")))
-        await asyncio.sleep(0.01)
+        publisher.publish(stream, Delta(content="a"))
+        await asyncio.sleep(0.05)  # alone: nothing waits for its reply
+        assert (len(sender.began), sender.expedited) == (1, [])
+        publisher.publish(stream, Delta(content="b"))
+        await asyncio.sleep(0.005)  # in flight now
+        publisher.publish(stream, Delta(content="c"))  # waits for that reply
+        await asyncio.sleep(0.06)
+        assert sender.expedited == [(True, 2), (False, 2)]
+        assert await asyncio.wait_for(publisher.finish(stream, done("abc")), 1)
     finally:
         await publisher.stop()
-    assert sender.expedited[4:] == [(True, 4), (False, 5)]
-    assert ending.done()
+    assert sender.expedited[2:] == [(True, 3), (False, 4)]  # the round trip with the end
 
 
 async def test_flush_returns_once_the_deltas_handed_over_have_landed(
