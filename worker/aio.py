@@ -9,7 +9,21 @@ import os
 import select
 import time
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+C = TypeVar("C")
+
+
+_MIXED: dict[tuple[type[Any], type[Any]], type[Any]] = {}
+
+
+def mixed_in(mixin: type[Any], cls: type[C], prefix: str) -> type[C]:
+    """``cls`` with ``mixin`` in front (made once per pair; ``cls`` itself if it has it)."""
+    if issubclass(cls, mixin):
+        return cls
+    if (mixin, cls) not in _MIXED:
+        _MIXED[mixin, cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    return _MIXED[mixin, cls]
 
 
 async def cancel_and_wait(tasks: list[asyncio.Task[Any]]) -> None:

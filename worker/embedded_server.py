@@ -15,7 +15,7 @@ from typing import Any
 
 import uvicorn
 
-from worker.aio import URGENT, socket_of
+from worker.aio import URGENT, mixed_in, socket_of
 from worker.errors import ConfigError
 
 
@@ -59,7 +59,8 @@ class EmbeddedServer(uvicorn.Server):
         await self.lifespan.shutdown()  # the app's shutdown (a no-op with lifespan="off")
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self.config.http_protocol_class = _urgent(self.config.http_protocol_class)
+        protocol = self.config.http_protocol_class
+        self.config.http_protocol_class = mixed_in(_UrgentConnection, protocol, "Urgent")
         await super().startup(sockets)
 
     async def start(self, sock: socket.socket) -> asyncio.Task[None]:
@@ -80,18 +81,6 @@ class _UrgentConnection(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         URGENT.watch(socket_of(transport))
-
-
-_URGENT_PROTOCOLS: dict[type[Any], type[Any]] = {}
-
-
-def _urgent(protocol: type[Any]) -> type[Any]:
-    if issubclass(protocol, _UrgentConnection):
-        return protocol
-    if protocol not in _URGENT_PROTOCOLS:
-        name = f"Urgent{protocol.__name__}"
-        _URGENT_PROTOCOLS[protocol] = type(name, (_UrgentConnection, protocol), {})
-    return _URGENT_PROTOCOLS[protocol]
 
 
 def bind(host: str, port: int, backlog: int = 128, *, what: str = "a server") -> socket.socket:

@@ -43,7 +43,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker import speedups
-from worker.aio import URGENT, socket_of
+from worker.aio import URGENT, mixed_in, socket_of
 from worker.errors import RedisUnavailableError
 from worker.retry import RedisBackoff
 from worker.settings import Settings
@@ -144,17 +144,9 @@ def _transport_closed(connection: AbstractConnection) -> bool:
     return transport is None or bool(transport.is_closing())
 
 
-_GUARDED: dict[type[AbstractConnection], type[AbstractConnection]] = {}
-
-
 def guarded(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
     """``connection_class`` with :class:`ClosedTransportGuard` in front (one class each)."""
-    if issubclass(connection_class, ClosedTransportGuard):
-        return connection_class
-    if connection_class not in _GUARDED:
-        name = f"Guarded{connection_class.__name__}"
-        _GUARDED[connection_class] = type(name, (ClosedTransportGuard, connection_class), {})
-    return _GUARDED[connection_class]
+    return mixed_in(ClosedTransportGuard, connection_class, "Guarded")
 
 
 # a job step waits this long for a free pooled connection before it counts as a Redis error
