@@ -73,6 +73,7 @@ class UrgentSockets:
             self._epoll.unregister(sock.fileno())
 
     def watching(self, sock: HasFileno) -> bool:
+        """Whether ``sock`` is in the set (for tests: it re-arms the socket's edge)."""
         if self._epoll is None:
             return False
         try:

@@ -288,9 +288,9 @@ class Settings(BaseSettings):
         ge=0,
         le=20,
         description="While jobs run, the reads of streaming upstream bodies and the "
-        "publisher's replies are handled at most once per this many ms, so they share one "
-        "wake-up (CPU per token at light load; adds at most this much latency to a token, "
-        "none to a job's start or a request); 0 turns it off.",
+        "publisher's replies that nothing waits for are handled at most once per this many "
+        "ms, so they share one wake-up (CPU per token at light load; adds at most this "
+        "much latency to a token, none to a job's start or end or a request); 0 turns it off.",
     )
 
     shutdown_grace_seconds: float = Field(

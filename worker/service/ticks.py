@@ -11,11 +11,12 @@ tick (a busy loop) sleeps not at all, so at high load nothing changes; when no j
 the callback stops and the loop blocks in its poll as before. What it costs: a read or a
 timer waits at most one tick longer before it is handled.
 
-Only the reads of running streams and the publisher's replies are meant to wait: the sleep
-is an ``epoll_wait`` on ``worker.aio.URGENT``, the sockets whose news must not (Redis
-connections but the publisher's, an upstream connection until its body begins, the
-embedded HTTP servers' sockets), so a job's start, a cancel or a reader's request ends the
-sleep at once (docs/decisions.md, 68); on asyncio's own loop a due timer ends it too.
+Only the reads of running streams and the publisher's replies that nothing waits for are
+meant to wait: the sleep is an ``epoll_wait`` on ``worker.aio.URGENT``, the sockets whose
+news must not (Redis connections, the publisher's while entries wait for its reply, an
+upstream connection until its first token, the embedded HTTP servers' sockets), so a job's
+start, its end, a cancel or a request ends the sleep at once (docs/decisions.md, 68); on
+asyncio's own loop a due timer ends it too.
 Elsewhere than Linux the sleep is ``time.sleep``.
 """
 

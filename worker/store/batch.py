@@ -25,7 +25,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worker.aio import URGENT, HasFileno, socket_of
+from worker.aio import URGENT
+from worker.store.redis_client import connection_socket
 
 try:  # what redis-py's hiredis reader answers while a reply is incomplete
     from redis._parsers.hiredis import NOT_ENOUGH_DATA
@@ -128,11 +129,7 @@ class ConnectionSender:
     def expedite(self, on: bool) -> None:
         self._expedited = on
         if self._connection.is_connected:
-            (URGENT.watch if on else URGENT.forget)(_socket(self._connection))
-
-
-def _socket(connection: AbstractConnection) -> HasFileno | None:
-    return socket_of(getattr(getattr(connection, "_writer", None), "transport", None))
+            (URGENT.watch if on else URGENT.forget)(connection_socket(self._connection))
 
 
 async def _replies(connection: AbstractConnection, count: int) -> list[Any]:

@@ -293,6 +293,7 @@ class Publisher:
         records = self._records
         commands: list[Command] = []
         plan: list[Op] = []
+        ends = False  # the batch carries a terminal entry (the job's end waits for its reply)
         for stream in batch:
             for seq, data in stream.take_ops():
                 commands.append(records.delta_command(stream.job_id, stream.attempt, seq, data))
@@ -303,9 +304,10 @@ class Publisher:
                     records.finish_command(stream.job_id, stream.attempt, stream.seq, args)
                 )
                 plan.append((stream, TERMINAL, 0))
+                ends = True
         self._not_before = loop.time() + self._round_trip_every  # from this send on
         self._in_flight = True
-        self._expedite(bool(self._dirty) or any(op[1] == TERMINAL for op in plan))
+        self._expedite(bool(self._dirty) or ends)
         try:
             results = await self._sender.send(commands)
         finally:

@@ -43,7 +43,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker import speedups
-from worker.aio import URGENT, mixed_in, socket_of
+from worker.aio import URGENT, HasFileno, mixed_in, socket_of
 from worker.errors import RedisUnavailableError
 from worker.retry import RedisBackoff
 from worker.settings import Settings
@@ -116,13 +116,13 @@ class ClosedTransportGuard(AbstractConnection):
     the transport's state, not by the message.
 
     Its socket is one of ``URGENT``'s: a reply ends a wake-up tick's sleep at once (the
-    publisher's connection leaves the set: ``ConnectionSender``)."""
+    publisher's connection leaves the set but while something waits for its reply:
+    ``ConnectionSender.expedite``)."""
 
     async def _connect(self) -> None:
         with URGENT.hurry():
             await super()._connect()  # type: ignore[safe-super, no-untyped-call]
-        writer = getattr(self, "_writer", None)
-        URGENT.watch(socket_of(getattr(writer, "transport", None)))
+        URGENT.watch(connection_socket(self))
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True
@@ -138,10 +138,18 @@ class ClosedTransportGuard(AbstractConnection):
             ) from exc
 
 
+def _transport(connection: AbstractConnection) -> Any:
+    """The asyncio (or uvloop) transport under a redis-py connection (None: not connected)."""
+    return getattr(getattr(connection, "_writer", None), "transport", None)
+
+
 def _transport_closed(connection: AbstractConnection) -> bool:
-    writer = getattr(connection, "_writer", None)
-    transport = getattr(writer, "transport", None)
+    transport = _transport(connection)
     return transport is None or bool(transport.is_closing())
+
+
+def connection_socket(connection: AbstractConnection) -> HasFileno | None:
+    return socket_of(_transport(connection))
 
 
 def guarded(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
