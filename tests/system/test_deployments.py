@@ -186,7 +186,7 @@ def test_cluster_lose_writes_failover_loses_a_write_the_master_acknowledged() ->
 
 def sentinel_for(addresses: list[tuple[str, int]]) -> Sentinel:
     options = {"socket_timeout": 2}
-    return Sentinel(addresses, sentinel_kwargs=options)  # type: ignore[no-untyped-call]
+    return Sentinel(addresses, sentinel_kwargs=options)  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def close_sentinel(sentinel: Sentinel) -> None:
@@ -197,7 +197,7 @@ def close_sentinel(sentinel: Sentinel) -> None:
 def write_through_sentinels(addresses: list[tuple[str, int]], key: str, value: str) -> None:
     """SET through redis-py's Sentinel client: on whichever server it finds as master."""
     sentinel = sentinel_for(addresses)
-    master: Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+    master: Redis = sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
         SERVICE, socket_timeout=2, decode_responses=True
     )
     try:

@@ -109,11 +109,12 @@ class _Pipeline(ClusterPipeline):
 class ClosedTransportGuard(AbstractConnection):
     """A write on a connection whose peer just closed it raises ``ConnectionError``.
 
-    redis-py leaks the transport's own error there instead: ``RuntimeError`` ("the handler
-    is closed") under uvloop, ``TypeError`` or ``AttributeError`` on some CPythons
-    (redis-py#4287, uvloop#506). None is a ``RedisError``, so no retry applied and a
-    failover crashed a worker's queue read or a Sentinel reconnect. Which it was is told by
-    the transport's state, not by the message.
+    redis-py before 8.2 leaks the transport's own error there instead: ``RuntimeError``
+    ("the handler is closed") under uvloop, ``TypeError`` or ``AttributeError`` on some
+    CPythons (redis-py#4287, uvloop#506). None is a ``RedisError``, so no retry applied and
+    a failover crashed a worker's queue read or a Sentinel reconnect. Which it was is told
+    by the transport's state, not by the message. (redis-py 8.2 looks at the transport
+    before it writes; the guard keeps the older releases ``redis>=5.0`` admits covered.)
 
     Its socket is one of ``URGENT``'s: a reply ends a wake-up tick's sleep at once (the
     publisher's connection leaves the set but while something waits for its reply:
@@ -256,7 +257,7 @@ def sentinel_client(parsed: RedisUrl, settings: Settings) -> Redis:
         **({"ssl": True, **tls} if tls or parsed.tls else {}),
         **{name.removeprefix("sentinel_"): value for name, value in own.items()},
     }
-    sentinel = Sentinel(list(parsed.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(list(parsed.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call, unused-ignore]  # typed in redis-py 8.2
     master: Redis = sentinel.master_for(
         parsed.service,
         redis_class=SentinelMaster,

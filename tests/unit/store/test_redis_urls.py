@@ -5,11 +5,13 @@ closed connection (the deployments are in test_cluster.py)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine, Iterable
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import SSLConnection
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -19,7 +21,7 @@ from worker.errors import ConfigError
 from worker.service.runtime import startup_summary
 from worker.settings import Settings, load_settings
 from worker.store.keys import Keys
-from worker.store.redis_client import redis_from_settings, slot_of
+from worker.store.redis_client import guarded, redis_from_settings, slot_of
 from worker.urls import parse_redis_url
 
 
@@ -145,35 +147,63 @@ def test_enqueue_spreads_jobs_over_the_shards() -> None:
     assert min(counts) > 900, counts
 
 
+class _UncheckedWrite(Connection):
+    """A connection that writes as redis-py before 8.2 did: no look at the transport first."""
+
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        assert self._writer is not None
+        self._writer.writelines(command)
+        await self._writer.drain()
+
+
+async def _write_after_reset(url: str, connection_class: type[Connection]) -> BaseException | None:
+    """A PING written on a connection whose transport was reset: what the write raised."""
+    redis = redis_from_settings(Settings(_env_file=None, redis_url=url))
+    assert isinstance(redis, Redis)
+    kwargs = dict(redis.connection_pool.connection_kwargs)
+    connection = guarded(connection_class)(**kwargs)
+    try:
+        await connection.connect()  # type: ignore[no-untyped-call]
+        connection._writer.transport.abort()  # type: ignore[union-attr]  # the peer's reset
+        await asyncio.sleep(0.01)
+        await connection.send_packed_command(b"*1\r\n$4\r\nPING\r\n")
+    except BaseException as exc:
+        return exc
+    finally:
+        await connection.disconnect()
+        await redis.aclose()
+    return None
+
+
+def _on_uvloop(write: Coroutine[Any, Any, BaseException | None]) -> BaseException | None:
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(write)
+
+
 def test_a_write_on_a_connection_the_peer_closed_is_a_connection_error(
     redis_server: RedisServer | None,
 ) -> None:
-    """Under uvloop redis-py raises RuntimeError ("the handler is closed") for a write on a
-    transport the peer closed (redis-py#4287); every chatstream client's connections raise
-    ConnectionError instead, which every retry covers."""
-    import uvloop
-
+    """With the installed redis-py, a chatstream client's write on a transport the peer
+    reset raises ConnectionError (which every retry covers), under uvloop."""
     server = needs_redis_server(redis_server)
-
-    async def write_after_close() -> BaseException | None:
-        redis = redis_from_settings(Settings(_env_file=None, redis_url=server.url))
-        assert isinstance(redis, Redis)
-        connection = redis.connection_pool.connection_class(
-            **redis.connection_pool.connection_kwargs
-        )
-        try:
-            await connection.connect()  # type: ignore[no-untyped-call]
-            connection._writer.transport.abort()  # type: ignore[union-attr]  # the peer's reset
-            await asyncio.sleep(0.01)
-            await connection.send_packed_command(b"*1\r\n$4\r\nPING\r\n")
-        except BaseException as exc:
-            return exc
-        finally:
-            await connection.disconnect()
-            await redis.aclose()
-        return None
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        raised = runner.run(write_after_close())
+    redis = redis_from_settings(Settings(_env_file=None, redis_url=server.url))
+    assert isinstance(redis, Redis)
+    connection_class = redis.connection_pool.connection_class
+    assert issubclass(connection_class, Connection)
+    raised = _on_uvloop(_write_after_reset(server.url, connection_class))
     assert isinstance(raised, RedisConnectionError), repr(raised)
-    assert "closed under a write" in str(raised)
+
+
+def test_the_guard_turns_the_transports_own_error_into_a_connection_error(
+    redis_server: RedisServer | None,
+) -> None:
+    """Under uvloop, redis-py before 8.2 leaked RuntimeError ("the handler is closed") for
+    a write on a transport the peer closed (redis-py#4287); ClosedTransportGuard raises
+    ConnectionError instead. Without the guard the same write is not a RedisError."""
+    server = needs_redis_server(redis_server)
+    raised = _on_uvloop(_write_after_reset(server.url, _UncheckedWrite))
+    assert isinstance(raised, RedisConnectionError), repr(raised)
+    assert "closed under a write (RuntimeError)" in str(raised)
+    assert isinstance(raised.__cause__, RuntimeError)
