@@ -156,12 +156,16 @@ class _UncheckedWrite(Connection):
         await self._writer.drain()
 
 
-async def _write_after_reset(url: str, connection_class: type[Connection]) -> BaseException | None:
-    """A PING written on a connection whose transport was reset: what the write raised."""
+async def _write_after_reset(
+    url: str, writes_as: type[Connection] | None = None
+) -> BaseException | None:
+    """A PING written on a connection whose transport was reset: what the write raised.
+    The connection is a chatstream client's as configured, or ``writes_as`` guarded."""
     redis = redis_from_settings(Settings(_env_file=None, redis_url=url))
     assert isinstance(redis, Redis)
-    kwargs = dict(redis.connection_pool.connection_kwargs)
-    connection = guarded(connection_class)(**kwargs)
+    pool = redis.connection_pool
+    connection_class = pool.connection_class if writes_as is None else guarded(writes_as)
+    connection = connection_class(**pool.connection_kwargs)
     try:
         await connection.connect()  # type: ignore[no-untyped-call]
         connection._writer.transport.abort()  # type: ignore[union-attr]  # the peer's reset
@@ -188,11 +192,7 @@ def test_a_write_on_a_connection_the_peer_closed_is_a_connection_error(
     """With the installed redis-py, a chatstream client's write on a transport the peer
     reset raises ConnectionError (which every retry covers), under uvloop."""
     server = needs_redis_server(redis_server)
-    redis = redis_from_settings(Settings(_env_file=None, redis_url=server.url))
-    assert isinstance(redis, Redis)
-    connection_class = redis.connection_pool.connection_class
-    assert issubclass(connection_class, Connection)
-    raised = _on_uvloop(_write_after_reset(server.url, connection_class))
+    raised = _on_uvloop(_write_after_reset(server.url))
     assert isinstance(raised, RedisConnectionError), repr(raised)
 
 
