@@ -128,6 +128,14 @@ class Settings(BaseSettings):
         description="Prompt + completion tokens of the `default` upstream in any 60 s, "
         "across every worker (admitted on an estimate, counted at the reported usage).",
     )
+    requests_burst_seconds: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        description="How much of a requests-per-minute limit may go out at once, as seconds "
+        "of its rate (at least one request): requests are otherwise spread evenly over the "
+        "minute, since providers enforce a per-minute limit over shorter periods too.",
+    )
     completion_tokens_estimate: int = Field(
         1_024,
         ge=1,
@@ -143,8 +151,9 @@ class Settings(BaseSettings):
     max_queued: int | None = Field(
         None,
         ge=1,
-        description="Jobs one tenant may have waiting (per queue shard: this / shards); "
-        "beyond it enqueue is refused (the gateway answers 429). Unset: unbounded.",
+        description="Jobs one tenant may have waiting for a worker (in its queues, or moved "
+        "into the queue stream and not yet read; per queue shard: this / shards, rounded "
+        "up); beyond it enqueue is refused (the gateway answers 429). Unset: unbounded.",
     )
 
     concurrency: int = Field(

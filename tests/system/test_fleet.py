@@ -17,7 +17,10 @@ import pytest
 from tests.helpers.checks import eventually, statuses
 from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
+from worker.client import Client
+from worker.errors import QueueFullError
 from worker.store.scheduler import Scheduler
+from worker.store.stats import queue_counts
 
 pytestmark = pytest.mark.xdist_group("worker-processes")
 
@@ -83,8 +86,10 @@ async def test_without_the_fleets_limit_the_same_provider_answers_429s(fleet: Fl
 
 
 async def test_requests_per_minute_hold_the_rest_back_without_a_429(fleet: Fleet) -> None:
+    """A burst of the whole minute (CHATSTREAM_REQUESTS_BURST_SECONDS=60): the minute's 8
+    go at once, the rest wait in their tenant's queue for the minute."""
     provider_caps(fleet, requests_per_minute=8)
-    await fleet.start(2, upstream_requests_per_minute=8)
+    await fleet.start(2, upstream_requests_per_minute=8, requests_burst_seconds=60)
     ids = await fleet.client.enqueue_many([chat(f"j{i}", tokens=2) for i in range(12)])
     await all_succeed(fleet, ids[:8], 20)
     await asyncio.sleep(2)  # the rest wait for the minute, in their tenant's queue
@@ -186,3 +191,76 @@ async def test_weights_shape_the_shares_and_high_priority_overtakes_a_low_backlo
     later_batch = [job_id for job_id in batch if job_id not in order[:12]]
     assert max(dispatched[j] for j in urgent) < min(dispatched[j] for j in later_batch)
     await fleet.stop()
+
+
+# -- state per tenant, bursts and bounds (issue 35) -----------------------------------------
+
+
+async def test_tenants_that_came_and_went_leave_a_bounded_state(fleet: Fleet) -> None:
+    """Two rounds of 6,000 jobs, each for a tenant never seen before (a tenant per end
+    user): afterwards the scheduler keeps no count per tenant, and remembers at most
+    LEFT_MAX (10,000) of the tenants that left, not every one ever seen."""
+    await fleet.start(2, concurrency=64)
+    sched = fleet.keys.sched(0)
+    for round_ in range(2):
+        ids: list[str] = []
+        for start in range(0, 6_000, 20):
+            ids += await asyncio.gather(
+                *(
+                    fleet.client.enqueue(chat("x", tokens=1), tenant=f"user-{round_}-{i}")
+                    for i in range(start, start + 20)
+                )
+            )
+        await all_succeed(fleet, ids, 240)
+        counts = [str(field) for field in await fleet.redis.hgetall(sched + ":counts")]
+        assert not [field for field in counts if field.startswith(("t:", "u:"))], len(counts)
+        assert len(counts) <= 5, counts  # seq, vtime, waiting, rq
+    assert await fleet.redis.zcard(sched + ":left") <= 10_000
+    assert not await fleet.redis.exists(sched + ":last")
+    left_over = [key async for key in fleet.redis.scan_iter(f"{sched}:*", count=1_000)]
+    assert sorted(left_over) == sorted(
+        f"{sched}:{name}" for name in ("config", "counts", "left")
+    ), left_over
+    await fleet.stop()
+
+
+def busiest_window(times: list[float], seconds: float) -> int:
+    """The most of ``times`` (sorted) inside any window of ``seconds``."""
+    most, first = 0, 0
+    for last, at in enumerate(times):
+        while at - times[first] > seconds:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
+
+
+async def test_a_requests_per_minute_limit_spreads_requests_over_the_minute(
+    fleet: Fleet,
+) -> None:
+    """300 a minute and 60 jobs at once: no 6 s window holds more than a tenth of the
+    minute's limit plus 10% (33), and a provider that counts per second answers no 429."""
+    await fleet.start(2, concurrency=64, upstream_requests_per_minute=300)
+    ids = await fleet.client.enqueue_many([chat(f"j{i}", tokens=2) for i in range(60)])
+    await all_succeed(fleet, ids, 60)
+    times = sorted(fleet.mock.request_times)
+    assert len(times) == 60
+    assert busiest_window(times, 6.0) <= 33, busiest_window(times, 6.0)
+    assert busiest_window(times, 1.0) <= 8  # 5 a second, and a burst of half a second's
+    assert times[-1] - times[0] >= 10  # spread: 60 at 5 a second
+    await fleet.stop()
+
+
+async def test_max_queued_bounds_a_tenants_waiting_jobs_exactly(fleet: Fleet) -> None:
+    """No worker runs: 60 enqueues against CHATSTREAM_MAX_QUEUED=50 queue exactly 50 (the
+    one a wake-up moved into the stream for a reader counts too)."""
+    producer = Client(fleet.redis, prefix=fleet.keys.prefix, max_queued=50)
+    accepted = 0
+    for i in range(60):
+        try:
+            await producer.enqueue(chat(f"j{i}"), tenant="acme")
+            accepted += 1
+        except QueueFullError as exc:
+            assert exc.waiting == 50
+    assert accepted == 50
+    counts = await queue_counts(fleet.redis, fleet.keys)
+    assert counts.length + counts.scheduled == 50

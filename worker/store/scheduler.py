@@ -96,6 +96,7 @@ def config_fields(settings: Settings) -> dict[str, str]:
         "lease_ms": str(int(settings.lease_seconds * 1000)),
         "est": str(settings.completion_tokens_estimate),
         "max_queued": str(shard_share(settings.max_queued, shards) or 0),
+        "burst_ms": str(int(settings.requests_burst_seconds * 1000)),
     }
     for name, limits in settings.upstream_limits().items():
         fields[f"u:{name}"] = _limits_text(limits, shards)
@@ -184,7 +185,7 @@ class Scheduler:
             if found != dict(fields):
                 before = before or found
                 pipe = self.redis.pipeline(transaction=True)
-                pipe.delete(key)
+                pipe.delete(key, self.keys.sched(shard) + ":last")  # ":last": before 0.2
                 mapping: dict[Any, Any] = dict(fields)
                 pipe.hset(key, mapping=mapping)
                 await pipe.execute()

@@ -56,7 +56,8 @@ Observability on the app: ``requests`` (per path), ``key_requests`` (per ``mock.
 ``open_streams``, ``streams_started``, ``most_concurrent`` (the most requests in progress
 at once), ``rate_limited`` (429s sent for the limits above; ``rate_limited_at``: when),
 ``disconnects`` ([(key, time.monotonic())] of clients that went away mid-response),
-``disconnected`` (an ``asyncio.Event``), ``send_times`` (time.time() of each token chunk
+``disconnected`` (an ``asyncio.Event``), ``request_times`` (time.monotonic() of the latest
+chat requests' arrivals), ``send_times`` (time.time() of each token chunk
 when ``record_send_times``) and ``request_headers`` (the headers of the latest chat
 requests, without authorization).
 """
@@ -655,6 +656,7 @@ _ABORT_FILTER = _ExpectedAbortFilter()
 # --------------------------------------------------------------------------- the app
 
 MAX_RECORDED_HEADERS = 256  # chat requests whose headers ``request_headers`` keeps
+MAX_RECORDED_REQUESTS = 100_000  # chat requests whose arrival ``request_times`` keeps
 
 
 def _recorded_headers(scope: Message) -> dict[str, str]:
@@ -681,6 +683,7 @@ class MockUpstream:
         self.rate_limited = 0
         self.rate_limited_at: list[float] = []  # time.monotonic() of each of those 429s
         self._recent: deque[float] = deque()  # request times
+        self.request_times: deque[float] = deque(maxlen=MAX_RECORDED_REQUESTS)  # monotonic
         self.request_headers: deque[dict[str, str]] = deque(maxlen=MAX_RECORDED_HEADERS)
         self._completions = 0
         self._live: set[asyncio.Task[bool]] = set()
@@ -716,6 +719,7 @@ class MockUpstream:
         await _send_json(send, 200, {"object": "list", "data": [model]})
 
     async def _chat(self, scope: Message, receive: Receive, send: Send) -> None:
+        self.request_times.append(time.monotonic())
         self.request_headers.append(_recorded_headers(scope))
         body = await _read_body(receive)
         if body is None:

@@ -81,7 +81,7 @@ async def test_a_bad_priority_is_a_400_and_creates_no_job(
 
 
 async def test_a_full_tenant_queue_is_a_429_with_retry_after(named: GatewayEnv) -> None:
-    for _ in range(3):  # one dispatched into the stream, two waiting: the bound
+    for _ in range(2):  # one dispatched into the stream, one waiting: the bound
         await submit(named, KEY)
     async with named.http(KEY, **ASYNC) as http:
         refused = await http.post(COMPLETIONS, json=BODY)

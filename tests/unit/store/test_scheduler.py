@@ -165,20 +165,44 @@ async def test_a_permit_nobody_renews_for_a_lease_is_free_again(
 async def test_requests_per_minute_hold_jobs_back_and_say_for_how_long(
     settings: Settings, redis: Redis
 ) -> None:
-    queue = await scheduled(settings, redis, upstream_requests_per_minute=4)
+    """A minute's budget of 4 with a burst of the whole minute: 4 go, the rest wait for the
+    minute (a blocking read bounded by the wait, not a busy loop)."""
+    queue = await scheduled(
+        settings, redis, upstream_requests_per_minute=4, requests_burst_seconds=60
+    )
     await push_all(queue.scheduler, [(f"j{i}", "t", "normal") for i in range(6)])
     assert len(await queue.read(10, None)) == 4
     began = time.monotonic()
-    assert await queue.read(10, 300) == []  # a blocking read: no busy loop, bounded wait
+    assert await queue.read(10, 300) == []
     assert 0.25 < time.monotonic() - began < 2
     wait = await queue.scheduler.take_request(0, "default")  # a retry: none left either
     assert 55 < wait <= 60
 
 
+async def test_requests_per_minute_are_spread_over_the_minute(
+    settings: Settings, redis: Redis
+) -> None:
+    """600 a minute is one every 100 ms; a burst of 0.3 s of that rate lets 3 go at once,
+    then one per 100 ms."""
+    queue = await scheduled(
+        settings, redis, upstream_requests_per_minute=600, requests_burst_seconds=0.3
+    )
+    await push_all(queue.scheduler, [(f"j{i}", "t", "normal") for i in range(10)])
+    assert len(await queue.read(10, None)) == 3
+    assert 0 < await queue.scheduler.take_request(0, "default") <= 0.1
+    began = time.monotonic()
+    got = 0
+    while got < 5:
+        got += len(await queue.read(10, 1_000))
+    assert 0.35 < time.monotonic() - began < 1.0  # 5 more at 100 ms each
+
+
 async def test_a_retry_takes_one_more_request_of_the_minute(
     settings: Settings, redis: Redis
 ) -> None:
-    queue = await scheduled(settings, redis, upstream_requests_per_minute=3)
+    queue = await scheduled(
+        settings, redis, upstream_requests_per_minute=3, requests_burst_seconds=60
+    )
     await push_all(queue.scheduler, [("j0", "t", "normal"), ("j1", "t", "normal")])
     [first] = await queue.read(1, None)
     assert await queue.scheduler.take_request(0, "default") == 0  # its retry: 2 of 3
@@ -248,13 +272,14 @@ async def test_limits_are_shared_out_over_the_queue_shards(settings: Settings) -
 async def test_a_full_tenant_queue_refuses_writing_nothing(
     settings: Settings, redis: Redis
 ) -> None:
+    """The bound counts the job a wake-up moved into the stream for a reader (no worker
+    read it yet): 2 means 2."""
     await scheduled(settings, redis, max_queued=2)
     client = Client.from_settings(settings, redis)  # the producer sets no bound of its own
     first = await client.enqueue(chat("1"), tenant="acme")  # dispatched: in the stream
     await client.enqueue(chat("2"), tenant="acme")
-    await client.enqueue(chat("3"), tenant="acme")
     with pytest.raises(QueueFullError, match="tenant 'acme' has 2 jobs waiting") as refused:
-        await client.enqueue(chat("4"), job_id="refused", tenant="acme")
+        await client.enqueue(chat("3"), job_id="refused", tenant="acme")
     assert (refused.value.tenant, refused.value.waiting) == ("acme", 2)
     assert not await redis.exists(client.keys.job("refused"))
     assert await redis.zscore(client.keys.jobs, "refused") is None
@@ -262,11 +287,24 @@ async def test_a_full_tenant_queue_refuses_writing_nothing(
     assert (await client.get(first)).tenant == "acme"
 
 
+async def test_a_job_read_by_a_worker_no_longer_counts_against_the_bound(
+    settings: Settings, redis: Redis
+) -> None:
+    queue = await scheduled(settings, redis, max_queued=2)
+    client = Client.from_settings(settings, redis)
+    await client.enqueue(chat("1"), tenant="acme")
+    await client.enqueue(chat("2"), tenant="acme")
+    assert len(await queue.read(1, None)) == 1  # the one in the stream runs now
+    await client.enqueue(chat("3"), tenant="acme")
+    with pytest.raises(QueueFullError):
+        await client.enqueue(chat("4"), tenant="acme")
+
+
 async def test_the_stricter_of_the_producers_and_the_workers_bound_applies(
     settings: Settings, redis: Redis
 ) -> None:
     await scheduled(settings, redis, max_queued=10)
-    strict = Client.from_settings(settings.model_copy(update={"max_queued": 1}), redis)
+    strict = Client.from_settings(settings.model_copy(update={"max_queued": 2}), redis)
     await strict.enqueue(chat("dispatched"))
     await strict.enqueue(chat("waits"))
     with pytest.raises(QueueFullError):
@@ -404,11 +442,11 @@ async def test_enqueue_many_stops_at_a_full_queue_and_says_what_it_queued(
     with pytest.raises(QueueFullError) as refused:
         await client.enqueue_many([chat(f"n{i}") for i in range(20)], batch=8)
     queued = refused.value.queued
-    assert len(queued) == 6  # one dispatched into the stream, five waiting
+    assert len(queued) == 5  # one dispatched into the stream, four waiting
     counts = await queue_counts(redis, client.keys)
-    assert counts.length + counts.scheduled == 6
-    assert [(await client.get(job_id)).status for job_id in queued] == ["queued"] * 6
-    assert len(await redis.zrange(client.keys.jobs, 0, -1)) == 6  # the refused: unlisted
+    assert counts.length + counts.scheduled == 5
+    assert [(await client.get(job_id)).status for job_id in queued] == ["queued"] * 5
+    assert len(await redis.zrange(client.keys.jobs, 0, -1)) == 5  # the refused: unlisted
 
 
 async def test_entry_of_a_producers_own_xadd_has_no_permit(

@@ -6,24 +6,28 @@
 -- Cluster slot (the stream's). Keys under S:
 --   config          hash: u:<upstream> = 'conc|rpm|tpm' (empty: unlimited), w:<tenant> =
 --                   weight, lease_ms, est (completion tokens assumed without max_tokens),
---                   max_queued (per tenant on this shard; 0: unbounded); written by workers
+--                   max_queued (per tenant on this shard; 0: unbounded), burst_ms (the
+--                   requests per minute a burst may take at once, as ms of the rate);
+--                   written by workers
 --   tenants         zset: tenant -> pass (virtual time), the tenants with waiting jobs
---   last            hash: tenant -> its pass when its last waiting job left (it rejoins at
---                   no less; emptied when it grows past LAST_MAX)
+--   left            zset: tenant -> its pass when its last waiting job left, while that is
+--                   ahead of vtime (it rejoins at no less); the LEFT_MAX highest at most
 --   tu:<t>          set: the upstreams tenant t has waiting jobs for
 --   q:<t>:<u>       zset: job id -> priority rank * 1e13 + arrival number (FIFO per rank)
 --   jobs            hash: job id -> 'tenant|upstream|prompt tokens|max tokens|enqueued ms'
 --                   of every waiting job
 --   counts          hash: seq, vtime, waiting, t:<tenant> and u:<upstream> waiting counts
+--                   (a field is deleted when its count is back to 0)
 --   permits:<u>     zset: entry id -> last renewal (ms): the jobs of u out of the queue
 --   rpm:<u>         zset: request number -> time (ms), the last minute's requests to u
+--   gcra:<u>        string: when u's next request is due at the steady rate (ms; GCRA)
 --   tpm:<u>         zset: entry id -> time (ms); tpmt:<u> hash: entry id -> tokens, total
 --   cool:<u>        string with a TTL: u answered 429; nothing is sent to it until it expires
 local K, S = KEYS[1], KEYS[2]
 local GROUP = 'workers'
 local MINUTE = 60000
 local SCAN = 64  -- tenants looked at per pick, in pass order
-local LAST_MAX = 10000  -- tenants remembered after their last job left
+local LEFT_MAX = 10000  -- tenants remembered after their last job left
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -37,7 +41,8 @@ end
 
 local function load_config()
   local flat = redis.call('HGETALL', S .. ':config')
-  local c = {limits = {}, weights = {}, lease_ms = 30000, est = 1024, max_queued = 0}
+  local c = {limits = {}, weights = {}, lease_ms = 30000, est = 1024, max_queued = 0,
+    burst_ms = 500}
   for i = 1, #flat, 2 do
     local f, v = flat[i], flat[i + 1]
     local kind, name = string.sub(f, 1, 2), string.sub(f, 3)
@@ -46,7 +51,7 @@ local function load_config()
       c.limits[name] = {conc = num(conc), rpm = num(rpm), tpm = num(tpm)}
     elseif kind == 'w:' then
       c.weights[name] = num(v)
-    elseif f == 'lease_ms' or f == 'est' or f == 'max_queued' then
+    elseif f == 'lease_ms' or f == 'est' or f == 'max_queued' or f == 'burst_ms' then
       c[f] = num(v) or c[f]
     end
   end
@@ -61,6 +66,26 @@ local function undelivered()
   local p = redis.pcall('XPENDING', K, GROUP)
   if type(p) ~= 'table' or p.err then return len end
   return len - p[1]
+end
+
+-- How many of tenant t's jobs wait in the stream for a reader (a wake-up moved them there:
+-- at most a few), so that a bound on a tenant's waiting jobs counts them too.
+local function undelivered_of(t)
+  if undelivered() == 0 then return 0 end
+  local last
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', K)) do
+    local f = {}
+    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+    if f['name'] == GROUP then last = f['last-delivered-id'] end
+  end
+  local found = 0
+  for _, row in ipairs(redis.call('XRANGE', K, '(' .. (last or '0-0'), '+')) do
+    local fields = row[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'tenant' and fields[i + 1] == t then found = found + 1 end
+    end
+  end
+  return found
 end
 
 local function split(info)
@@ -93,15 +118,28 @@ local function tpm_wait(u, total, tokens, limit, now)
   return MINUTE
 end
 
--- 0 while upstream u has requests left in the last minute's budget (or no such limit);
--- else the ms until its oldest request of the minute expires.
-local function rpm_wait(lim, u, now)
+-- The steady rate of u's requests (GCRA): the ms between two of them, and how far ahead of
+-- it a burst may run (at least one request at a time; burst_ms of the rate at most).
+local function gcra_params(c, lim)
+  local interval = MINUTE / lim.rpm
+  local burst = math.max(1, math.floor(c.burst_ms / interval))
+  return interval, (burst - 1) * interval
+end
+
+-- 0 while upstream u may be sent a request now: the last 60 s hold fewer than its requests
+-- per minute, and the requests are spread over the minute (a burst of at most burst_ms of
+-- the rate); else the ms until one may go.
+local function rpm_wait(c, lim, u, now)
   if not lim.rpm then return 0 end
   local key = S .. ':rpm:' .. u
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now - MINUTE)
-  if redis.call('ZCARD', key) < lim.rpm then return 0 end
-  local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-  return math.max(1, tonumber(oldest[2]) + MINUTE - now)
+  if redis.call('ZCARD', key) >= lim.rpm then
+    local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    return math.max(1, tonumber(oldest[2]) + MINUTE - now)
+  end
+  local _, tolerance = gcra_params(c, lim)
+  local due = tonumber(redis.call('GET', S .. ':gcra:' .. u) or '0')
+  return math.max(0, math.ceil(due - tolerance - now))
 end
 
 -- 0 when upstream u admits a call of `tokens` tokens now; else how long until a time-bound
@@ -116,7 +154,7 @@ local function blocked(c, u, tokens, now)
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now - c.lease_ms)
     if redis.call('ZCARD', key) >= lim.conc then return -1 end
   end
-  local rpm = rpm_wait(lim, u, now)
+  local rpm = rpm_wait(c, lim, u, now)
   if rpm > 0 then return rpm end
   if lim.tpm then
     local total = tpm_purge(u, now)
@@ -133,6 +171,10 @@ local function take_request(c, u, now)
     local n = redis.call('HINCRBY', S .. ':counts', 'rq', 1)
     redis.call('ZADD', S .. ':rpm:' .. u, now, n)
     redis.call('PEXPIRE', S .. ':rpm:' .. u, MINUTE * 2)
+    local interval = gcra_params(c, lim)
+    local key = S .. ':gcra:' .. u
+    local due = math.max(tonumber(redis.call('GET', key) or '0'), now) + interval
+    redis.call('SET', key, string.format('%.0f', due), 'PX', math.ceil(due - now) + MINUTE)
   end
 end
 
@@ -173,18 +215,35 @@ local function best_of_tenant(c, t, now)
   return best, best_u, best_tokens, wait
 end
 
+-- One waiting job less in the counts field f; a count back to 0 is deleted (a tenant that
+-- left keeps no field).
+local function count_down(f)
+  if redis.call('HINCRBY', S .. ':counts', f, -1) <= 0 then redis.call('HDEL', S .. ':counts', f) end
+end
+
 -- Out of the waiting structures: job j of tenant t for upstream u.
 local function forget(t, u, j)
   local q = S .. ':q:' .. t .. ':' .. u
   redis.call('ZREM', q, j)
   redis.call('HDEL', S .. ':jobs', j)
   redis.call('HINCRBY', S .. ':counts', 'waiting', -1)
-  redis.call('HINCRBY', S .. ':counts', 't:' .. t, -1)
-  redis.call('HINCRBY', S .. ':counts', 'u:' .. u, -1)
+  count_down('t:' .. t)
+  count_down('u:' .. u)
   if redis.call('ZCARD', q) == 0 then
     redis.call('SREM', S .. ':tu:' .. t, u)
     if redis.call('SCARD', S .. ':tu:' .. t) == 0 then redis.call('ZREM', S .. ':tenants', t) end
   end
+end
+
+-- Tenant t's last waiting job left at `pass`: it rejoins at `after` at the earliest. Only
+-- passes still ahead of vtime matter; of those the LEFT_MAX highest are kept (a tenant
+-- forgotten rejoins at vtime, at most one turn early).
+local function remember_left(t, after, vtime)
+  local key = S .. ':left'
+  redis.call('ZADD', key, after, t)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', vtime)
+  local extra = redis.call('ZCARD', key) - LEFT_MAX
+  if extra > 0 then redis.call('ZREMRANGEBYRANK', key, 0, extra - 1) end
 end
 
 -- Move the fairest job that may be sent now into the stream. Returns its entry id, or nil
@@ -199,12 +258,12 @@ local function dispatch_one(c, now)
     if j ~= nil then
       forget(t, u, j)
       local after = pass + 1 / (c.weights[t] or 1)
+      redis.call('HSET', S .. ':counts', 'vtime', pass)
       if redis.call('ZSCORE', S .. ':tenants', t) then
         redis.call('ZADD', S .. ':tenants', after, t)
       else
-        redis.call('HSET', S .. ':last', t, after)
+        remember_left(t, after, pass)
       end
-      redis.call('HSET', S .. ':counts', 'vtime', pass)
       local fields = {'job', j, 'tenant', t, 'upstream', u}
       if c.limits[u] then
         fields[#fields + 1] = 'permit'
@@ -223,10 +282,11 @@ end
 -- last job left later than that (it cannot gain a share by draining its queue each time).
 local function join(t)
   local pass = tonumber(redis.call('HGET', S .. ':counts', 'vtime') or '0')
-  local own = tonumber(redis.call('HGET', S .. ':last', t) or '0')
-  if own > pass then pass = own end
-  redis.call('HDEL', S .. ':last', t)
-  if redis.call('HLEN', S .. ':last') > LAST_MAX then redis.call('DEL', S .. ':last') end
+  local own = redis.call('ZSCORE', S .. ':left', t)
+  if own then
+    pass = math.max(pass, tonumber(own))
+    redis.call('ZREM', S .. ':left', t)
+  end
   redis.call('ZADD', S .. ':tenants', pass, t)
 end
 

@@ -6,7 +6,8 @@
 -- reader, the fairest waiting job into the stream (a worker blocked reading it takes it at
 -- once): as many calls of one job each would do. Returns one reply per job: {'queued'},
 -- {'exists'} (it waits already: enqueueing it again is a no-op) or {'full', waiting} (the
--- tenant has that many waiting: nothing of that job was written).
+-- tenant has that many waiting: nothing of that job was written). A tenant's waiting jobs
+-- are those in its queues and those a wake-up moved into the stream that no worker read yet.
 --
 -- Within a call, what does not change is not asked again: the tenants' waiting counts,
 -- their upstreams and places in the tenants' order are kept here (and forgotten whenever a
@@ -46,7 +47,11 @@ end
 
 local function push(j, t, rank, u, prompt, max)
   if redis.call('HEXISTS', S .. ':jobs', j) == 1 then return {'exists'} end
-  local waiting = waiting_of[t] or tonumber(redis.call('HGET', counts, 't:' .. t) or '0')
+  local waiting = waiting_of[t]
+  if waiting == nil then
+    waiting = tonumber(redis.call('HGET', counts, 't:' .. t) or '0')
+    if bound > 0 then waiting = waiting + undelivered_of(t) end
+  end
   waiting_of[t] = waiting
   if bound > 0 and waiting >= bound then return {'full', waiting} end
   local seq = redis.call('HINCRBY', counts, 'seq', 1)

@@ -7,7 +7,7 @@ if not lim then return 0 end
 local now = now_ms()
 local cool = redis.call('PTTL', S .. ':cool:' .. u)
 if cool > 0 then return cool end
-local wait = rpm_wait(lim, u, now)
+local wait = rpm_wait(c, lim, u, now)
 if wait > 0 then return wait end
 take_request(c, u, now)
 return 0
