@@ -102,10 +102,30 @@ class DeltaData(ChoiceDeltaData):
     )
 
 
+class Served(_Data):
+    """Where an attempt's request went: its upstream and the model it asked for there, and
+    the route that chose them (docs/routing.md)."""
+
+    upstream: str = Field(description="The upstream's name.")
+    model: str | None = Field(None, description="The model sent to it (its request's model).")
+    route: str | None = Field(None, description="The route the target belongs to, if any.")
+
+
+class FailedTarget(Served):
+    """The target an attempt failed on, and how."""
+
+    error: str = Field("", description="Its failure, in words.")
+
+
 class ResetData(_Data):
     """``data`` of a ``reset`` entry: a new attempt starts; earlier deltas are void."""
 
     reason: str = Field(description="A human-readable reason.")
+    after: FailedTarget | None = Field(
+        None,
+        description="The target the attempt before it failed on, after its output had begun "
+        "(a retry after output, on a route the next target).",
+    )
 
 
 class WaitingData(_Data):
@@ -117,11 +137,15 @@ class WaitingData(_Data):
     """
 
     reason: str = Field(
-        description="upstream_down (the upstream failed before its first byte: refused, "
-        "timed out, 429 or 5xx; one probe at a time tries it) or rate_limit (the upstream's "
-        "requests per minute, fleet-wide, are used up)."
+        description="upstream_down (the upstream, or with `model` that target, failed before "
+        "its first byte: refused, timed out, 429 or 5xx; one probe at a time tries it), "
+        "rate_limit (the upstream's requests per minute, fleet-wide, are used up) or "
+        "targets_unavailable (no target of its `route` can take it now: each down or at its "
+        "limits)."
     )
-    upstream: str = Field(description="The upstream name the job waits for.")
+    upstream: str | None = Field(None, description="The upstream name the job waits for.")
+    model: str | None = Field(None, description="With upstream_down: the target's model.")
+    route: str | None = Field(None, description="With targets_unavailable: the route.")
     since_ms: int = Field(description="When the wait began, Unix milliseconds (worker's clock).")
     for_s: float = Field(description="Seconds it had waited when the entry was written.")
     retry_in_s: float | None = Field(
@@ -169,6 +193,9 @@ class _Finished(_Extras):
     choices: list[ChoiceFinish] | None = Field(
         None, description="n > 1: the other choices' finish_reason, by index."
     )
+    served: Served | None = Field(
+        None, description="Where the attempt that ended the job sent its request."
+    )
 
 
 class DoneData(_Finished):
@@ -212,10 +239,11 @@ class StreamEvent(BaseModel):
     ``id`` is the stream entry id: the resume cursor. ``data`` depends on ``type``:
     delta: ``{role?, content?, refusal?, reasoning_details?, tool_calls?, choices?}`` (what
     arrived since the previous delta entry; tool-call fragments carry their ``index``;
-    ``choices``: the other choices' with their ``index``, n > 1); reset: ``{reason}``;
+    ``choices``: the other choices' with their ``index``, n > 1); reset: ``{reason, after?}``;
     done: ``{finish_reason, usage}``; error: ``{error, finish_reason?, usage?}``;
-    cancelled: ``{usage?}``; waiting: ``{reason, upstream, since_ms, for_s, retry_in_s?,
-    detail}`` (progress only, never output); a terminal entry adds ``web_search`` /
+    cancelled: ``{usage?}``; waiting: ``{reason, upstream? model? route?, since_ms, for_s,
+    retry_in_s?, detail}`` (progress only, never output); a terminal entry adds ``served``
+    (the attempt's upstream, model and route) once the job ran, ``web_search`` /
     ``free_tier`` when the upstream sent them, ``traceparent`` when the worker traces and, n > 1,
     ``choices: [{index, finish_reason}]``. See
     ``DATA_MODELS`` for each type's model.

@@ -41,6 +41,10 @@ OUTPUT_FIELDS = (
 none); a requeue clears them. ``worker.protocol.accumulator.FinalMessage`` has an attribute of each
 name (the extras in ``FinalMessage.extras``)."""
 
+SERVED_FIELDS = ("served_upstream", "served_model")
+"""Where the attempt that ended the job sent its request (written by the terminal write once
+the job ran; a requeue clears them with ``OUTPUT_FIELDS``)."""
+
 JSON_FIELDS = (
     "request",
     "reasoning",
@@ -102,6 +106,14 @@ class JobRecord(BaseModel):
     )
     completion_id: str | None = Field(None, description="The upstream's completion id.")
     model: str | None = Field(None, description="The model the upstream reported.")
+    served_upstream: str | None = Field(
+        None,
+        description="The upstream of the attempt that ended the job (on a route: the target "
+        "that served, or failed, it).",
+    )
+    served_model: str | None = Field(
+        None, description="The model that attempt asked its upstream for (a route's target's)."
+    )
     metadata: dict[str, Any] = Field(
         default_factory=dict, description="Caller metadata given at enqueue (JSON)."
     )

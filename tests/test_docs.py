@@ -450,9 +450,9 @@ async def test_every_event_validates_as_its_documented_model(doc_env: DocEnv) ->
             event.parsed_data()  # raises if data does not match the model
             seen.setdefault(event.type.value, set()).update(event.data)
     assert seen["delta"] <= {"role", "content", "reasoning_details", "tool_calls"}
-    assert seen["done"] == {"finish_reason", "usage"}
-    assert seen["error"] == {"error", "finish_reason", "usage"}
-    assert seen["cancelled"] <= {"usage"}
+    assert seen["done"] == {"finish_reason", "usage", "served"}
+    assert seen["error"] == {"error", "finish_reason", "usage", "served"}
+    assert seen["cancelled"] <= {"usage", "served"}
     running = await client.get(jobs["running"])
     partial = await replay(doc_env, jobs["running"])
     assert running.status == "cancelled" and running.content == partial.content != ""

@@ -29,7 +29,7 @@ from schemas.requests import (
 )
 from worker.aio import cancel_and_wait
 from worker.errors import InvalidJobError, JobNotFoundError, NotReplicatedError, QueueFullError
-from worker.settings import Settings, load_settings
+from worker.settings import DEFAULT_UPSTREAM, Settings, load_settings
 from worker.store.batch import BatchSender
 from worker.store.bulk import BulkEnqueue, Job
 from worker.store.cluster_batch import default_sender
@@ -44,6 +44,7 @@ from worker.telemetry import context_fields
 
 # below redis-py's default 5 s socket timeout, so an application's own client works as is
 READ_BLOCK_MS = 2_000
+ROUTES_TTL = 10.0  # seconds a client keeps the route names the workers publish
 LIVE_WINDOW = 60  # seconds: a worker that beat within it is counted live by queued_notice
 T = TypeVar("T")
 
@@ -72,6 +73,7 @@ class Client:
         self.max_request_bytes = max_request_bytes
         self.upstreams = upstreams
         self.max_queued = max_queued  # beside the workers' CHATSTREAM_MAX_QUEUED: the stricter
+        self._routes: tuple[float, frozenset[str]] | None = None  # (read at, names)
 
     @classmethod
     def from_settings(cls, settings: Settings, redis: RedisClient | None = None) -> Client:
@@ -80,7 +82,7 @@ class Client:
             prefix=settings.prefix,
             retention_seconds=settings.retention_seconds,
             max_request_bytes=settings.max_request_bytes,
-            upstreams=settings.upstream_names(),
+            upstreams=[*settings.upstream_names(), *settings.routes],
             jobs_index_max=settings.jobs_index_max,
             queue_shards=settings.queue_shards,
             wait_replicas=settings.redis_wait_replicas,
@@ -135,6 +137,7 @@ class Client:
         metadata = metadata or {}
         _check_nesting("metadata", metadata)
         spec = self._spec(request, job_id or new_job_id(), upstream, metadata, tenant, priority)
+        spec = routed(spec, await self._route_names(upstream))
         fields = self._fields(spec, context_fields())
         state = await self.records.create(spec.id, fields)
         if state != "exists":
@@ -207,8 +210,9 @@ class Client:
         metadata = metadata or {}
         _check_nesting("metadata", metadata)  # one metadata for all: checked once
         trace = context_fields()  # the caller's span is the same for every job of the call
+        routes = await self._route_names(upstream)
         jobs = [
-            self._job_at(index, request, upstream, metadata, tenant, priority, trace)
+            self._job_at(index, request, upstream, metadata, tenant, priority, trace, routes)
             for index, request in enumerate(requests)
         ]
         sender = default_sender(self.redis)  # a connection of its own for the call
@@ -242,10 +246,12 @@ class Client:
         tenant: str,
         priority: Priority,
         trace: dict[str, str],
+        routes: frozenset[str],
     ) -> Job:
         """The ``index``-th request of a bulk enqueue, validated, as it will be written."""
         try:
             spec = self._spec(request, new_job_id(), upstream, metadata, tenant, priority)
+            spec = routed(spec, routes)
             return Job.of(spec, self._fields(spec, trace))
         except InvalidJobError as exc:
             raise InvalidJobError(f"requests[{index}]: {exc.message}") from None
@@ -276,6 +282,16 @@ class Client:
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise InvalidJobError(f"invalid job: {problems}") from None
+
+    async def _route_names(self, upstream: str) -> frozenset[str]:
+        """The routes the workers publish (for a job that names the default upstream: its
+        model may name one), read at most every ``ROUTES_TTL`` seconds."""
+        if upstream != DEFAULT_UPSTREAM:
+            return frozenset()
+        now = time.monotonic()
+        if self._routes is None or now - self._routes[0] >= ROUTES_TTL:
+            self._routes = (now, await self.queue.scheduler.routes())
+        return self._routes[1]
 
     async def _check_upstream(self, upstream: str) -> None:
         """A name this client's settings know, or one the workers publish that they serve
@@ -620,3 +636,12 @@ class SyncClient:
         self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
     ) -> None:
         self.close()
+
+
+def routed(spec: JobSpec, routes: frozenset[str]) -> JobSpec:
+    """A job naming the default upstream whose model is a route's name uses that route
+    (docs/routing.md): its upstream becomes the route, so the scheduler chooses its target."""
+    model = spec.request.model
+    if spec.upstream != DEFAULT_UPSTREAM or model not in routes:
+        return spec
+    return spec.model_copy(update={"upstream": model})

@@ -17,7 +17,8 @@ talks to them, with ``raise ... from exc``; everything above sees only these::
     └── UpstreamError               the upstream call failed
         ├── RetryableUpstreamError  connection errors, 408/409/425/429/5xx: worth another try
         │   ├── UpstreamTimeoutError    connect / first byte / idle / whole-job timeout
-        │   └── TruncatedStreamError    the stream ended with neither [DONE] nor a finish_reason
+        │   ├── TruncatedStreamError    the stream ended with neither [DONE] nor a finish_reason
+        │   └── RetryableStreamError    an error chunk that says "try again" (overloaded, ...)
         └── TerminalUpstreamError   other 4xx, a 200 that is not text/event-stream
             └── MidStreamError          a chunk with a top-level error object
 
@@ -133,6 +134,9 @@ class UpstreamError(ChatstreamError):
 
 
 class RetryableUpstreamError(UpstreamError):
+    """``unreachable``: the upstream itself could not be reached (refused, reset, TLS, DNS,
+    no HTTP response), as opposed to an answer about one model (a status, a timeout)."""
+
     code = "upstream_retryable"
 
     def __init__(
@@ -143,9 +147,11 @@ class RetryableUpstreamError(UpstreamError):
         detail: Any = None,
         retry_after: float | None = None,
         upstream: str | None = None,
+        unreachable: bool = False,
     ) -> None:
         super().__init__(message, status=status, detail=detail, upstream=upstream)
         self.retry_after = retry_after
+        self.unreachable = unreachable
 
 
 class UpstreamTimeoutError(RetryableUpstreamError):
@@ -154,6 +160,13 @@ class UpstreamTimeoutError(RetryableUpstreamError):
 
 class TruncatedStreamError(RetryableUpstreamError):
     code = "truncated"
+
+
+class RetryableStreamError(RetryableUpstreamError):
+    """An error chunk after the 200 that says "try again": overloaded, rate limited, a
+    server error (``worker.upstream.verdict``). Retried like a cut stream."""
+
+    code = "upstream_stream_error"
 
 
 class TerminalUpstreamError(UpstreamError):

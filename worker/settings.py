@@ -27,6 +27,7 @@ from worker.errors import ConfigError, UnknownUpstreamError
 from worker.urls import parse_redis_url
 
 DEFAULT_UPSTREAM = "default"
+ROUTE_PATTERN = r"[A-Za-z0-9_.:/-]{1,128}"
 LIMIT_FIELDS = {"max_concurrent", "requests_per_minute", "tokens_per_minute"}
 
 
@@ -79,6 +80,49 @@ class Upstream(UpstreamLimits):
         return self.url.rstrip("/") + "/chat/completions"
 
 
+class RouteTarget(BaseModel):
+    """One deployment a route may send a job to: an upstream, the model it is asked for
+    there (the route's name when unset), and its share under the ``weighted`` strategy."""
+
+    model_config = {"extra": "forbid"}
+
+    upstream: str = Field(description="A configured upstream's name.")
+    model: str | None = Field(
+        None, min_length=1, max_length=256, description="The model sent to this upstream."
+    )
+    weight: float = Field(1.0, description="Its share of the jobs (`weighted`), > 0.")
+
+    @field_validator("weight")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if not 0 < value <= 1_000_000:
+            raise ValueError(f"weight {value} is not in (0, 1e6]")
+        return value
+
+
+class Route(BaseModel):
+    """A model name served by several targets (docs/routing.md)."""
+
+    model_config = {"extra": "forbid"}
+
+    targets: list[RouteTarget] = Field(
+        min_length=1, max_length=32, description="The targets, in the order of preference."
+    )
+    strategy: Literal["fallback", "weighted"] = Field(
+        "fallback",
+        description="`fallback`: the first target that is up and has room; `weighted`: "
+        "among those, by weight.",
+    )
+    context_fallback: RouteTarget | None = Field(
+        None,
+        description="Where a job goes when a target answers that its prompt exceeds the "
+        "model's context (LiteLLM's context_window_fallbacks).",
+    )
+
+    def target_model(self, target: RouteTarget, name: str) -> str:
+        return target.model or name
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="CHATSTREAM_", env_file=".env", env_nested_delimiter="__", extra="ignore"
@@ -109,6 +153,27 @@ class Settings(BaseSettings):
         description="Named upstreams as JSON: {name: {url, api_key?, headers?, provider?, "
         "forward_baggage?, max_concurrent?, requests_per_minute?, tokens_per_minute?}}; a "
         "job picks one by name.",
+    )
+    routes: dict[str, Route] = Field(
+        default_factory=dict,
+        description="Routes as JSON: {name: {targets: [{upstream, model?, weight?}, ...], "
+        "strategy?: fallback|weighted, context_fallback?: {upstream, model?}}}; a job uses "
+        "one when its request's model, or its upstream, is the route's name "
+        "(docs/routing.md).",
+    )
+    breaker_cooldown: float = Field(
+        1.0,
+        gt=0,
+        le=600,
+        description="How long every worker skips a route's target after it failed, seconds "
+        "(doubling with each failed probe, up to `breaker_max_cooldown`; a Retry-After "
+        "is honoured up to 60 s).",
+    )
+    breaker_max_cooldown: float = Field(
+        8.0,
+        gt=0,
+        le=600,
+        description="The longest a route's failing target is skipped between two probes, seconds.",
     )
     upstream_max_concurrent: int | None = Field(
         None,
@@ -448,6 +513,28 @@ class Settings(BaseSettings):
             raise ValueError("set either CHATSTREAM_UPSTREAM_URL or upstreams.default, not both")
         return self
 
+    @model_validator(mode="after")
+    def _routes_name_known_upstreams(self) -> Settings:
+        """One line naming the setting for a route that cannot work."""
+        upstreams = set(self.upstream_names())
+        for name, route in self.routes.items():
+            where = f"CHATSTREAM_ROUTES: route {name!r}"
+            if not re.fullmatch(ROUTE_PATTERN, name):
+                raise ValueError(f"{where}: a name of letters, digits, _ . : / - (1 to 128)")
+            if name in upstreams:
+                raise ValueError(f"{where} is named like an upstream: rename one of them")
+            fallback = [route.context_fallback] if route.context_fallback else []
+            for index, target in enumerate([*route.targets, *fallback]):
+                if target.upstream not in upstreams:
+                    which = f"target {index}" if index < len(route.targets) else "context_fallback"
+                    raise ValueError(
+                        f"{where} {which}: unknown upstream {target.upstream!r} (configured: "
+                        f"{sorted(upstreams)})"
+                    )
+        if self.breaker_max_cooldown < self.breaker_cooldown:
+            raise ValueError("CHATSTREAM_BREAKER_MAX_COOLDOWN must be at least the cooldown")
+        return self
+
     def upstream(self, name: str) -> Upstream:
         """The named upstream; the job can only choose among these, never a URL."""
         if name in self.upstreams:
@@ -481,10 +568,18 @@ def load_settings(**overrides: object) -> Settings:
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        problems = "; ".join(f"{variable_name(err['loc'])}: {err['msg']}" for err in exc.errors())
+        problems = "; ".join(_problem(err["loc"], err["msg"]) for err in exc.errors())
         raise ConfigError(f"invalid settings: {problems}") from None
     except SettingsError as exc:  # a value that is not JSON where JSON is expected
         raise ConfigError(f"invalid settings: {_unparsable(exc)}") from None
+
+
+def _problem(loc: tuple[int | str, ...], message: str) -> str:
+    """``CHATSTREAM_X: what is wrong``; a check across settings names its variable itself."""
+    own = message.removeprefix("Value error, ")
+    if not loc and own.startswith("CHATSTREAM_"):
+        return own
+    return f"{variable_name(loc)}: {message}"
 
 
 # CHATSTREAM_* variables that are not settings: set by chatstream for its own processes

@@ -155,6 +155,10 @@ def terminal_data(record: JobRecord) -> dict[str, Any]:
     """A succeeded job's ``done`` entry, from its record."""
     data: dict[str, Any] = {"finish_reason": record.finish_reason, "usage": record.usage}
     data.update((name, getattr(record, name)) for name in EXTRAS if getattr(record, name))
+    if record.served_upstream:
+        data["served"] = {"upstream": record.served_upstream}
+        if record.served_model:
+            data["served"]["model"] = record.served_model
     if record.choices:
         data["choices"] = [{"index": c["index"], "finish_reason": c["finish_reason"]}
                            for c in record.choices]  # fmt: skip

@@ -38,13 +38,17 @@ class FleetLimits:
         self.scheduler = scheduler
         self.limits = settings.upstream_limits()
 
-    def for_entry(self, entry: Entry, upstream: str, idle: IdleSlot) -> AttemptLimits | None:
-        """The attempt's side of its upstream's limits (None: the upstream has none)."""
+    def for_entry(
+        self, entry: Entry, upstream: str, idle: IdleSlot, *, routed: bool = False
+    ) -> AttemptLimits | None:
+        """The attempt's side of its upstream's limits (None: the upstream has none).
+        ``routed``: a route's target was just chosen for it, which took its request and
+        reserved its tokens (``Scheduler.route``)."""
         limits = self.limits.get(upstream)
         if limits is None:
             return None
         counts_tokens = limits.tokens_per_minute is not None
-        return AttemptLimits(self.scheduler, entry, upstream, idle, counts_tokens)
+        return AttemptLimits(self.scheduler, entry, upstream, idle, counts_tokens, routed=routed)
 
 
 class AttemptLimits:
@@ -57,13 +61,16 @@ class AttemptLimits:
         upstream: str,
         idle: IdleSlot,
         counts_tokens: bool,
+        *,
+        routed: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.entry = entry
         self.upstream = upstream
         self.idle = idle
-        self.counts_tokens = counts_tokens and entry.dispatched_at is not None
-        self.paid = entry.dispatched_at is not None  # the dispatch took the first request
+        scheduled = routed or entry.dispatched_at is not None
+        self.counts_tokens = counts_tokens and scheduled
+        self.paid = scheduled  # the dispatch (or the route's choice) took the first request
 
     async def before_try(self) -> None:
         if self.paid:

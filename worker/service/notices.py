@@ -17,17 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
 from schemas.events import EventType
 from worker.aio import cancel_and_wait
+from worker.service.routing import RouteState
 from worker.store.records import Records, dumps
-from worker.upstream.gate import IdleSlot, UpstreamGate, monotonic
+from worker.upstream.gate import IdleSlot, monotonic
 
 log = logging.getLogger("chatstream.pipeline")
 
@@ -48,22 +49,59 @@ class _Said:
     since: float = 0.0  # monotonic start of the wait of this reason
 
 
+class Outage(Protocol):
+    """What a job waits for: an upstream or target that is down (``UpstreamGate``), or every
+    target of its route (``RouteOutage``)."""
+
+    reason: str  # the waiting entry's reason
+    down_since: float | None  # monotonic
+    last_error: str
+
+    def next_try_in(self) -> float: ...
+
+    def where(self) -> dict[str, str]:
+        """The entry's fields that say what is down (``upstream``, ``model``, ``route``)."""
+        ...
+
+
+class RouteOutage:
+    """No target of a job's route can take it now (each down, or at its limits)."""
+
+    reason = "targets_unavailable"
+
+    def __init__(self, state: RouteState) -> None:
+        self.state = state
+        self.down_since = state.waiting_since
+        failures = "; ".join(state.last_failures.values())
+        self.last_error = f"route {state.name!r}: no target can take it now" + (
+            f" (last failures: {failures})" if failures else ""
+        )
+
+    def next_try_in(self) -> float:
+        return max(self.state.next_ask - monotonic(), 0.0)
+
+    def where(self) -> dict[str, str]:
+        return {"route": self.state.name}
+
+
 class WaitingNotices:
-    """The ``waiting`` entries of one job (its current attempt: ``attempt()``)."""
+    """The ``waiting`` entries of one job (its current attempt: ``attempt()``); ``outage()``
+    says what it waits for while it waits without its slot (None: its upstream's requests
+    per minute)."""
 
     def __init__(
         self,
         records: Records,
-        gates: Mapping[str, UpstreamGate],
         job_id: str,
-        upstream: str,
+        outage: Callable[[], Outage | None],
         attempt: Callable[[], int],
+        upstream: Callable[[], str] = lambda: "",
     ) -> None:
         self.records = records
-        self.gates = gates
         self.job_id = job_id
-        self.upstream = upstream
+        self.outage = outage
         self.attempt = attempt
+        self.upstream = upstream
         self._said = _Said()
 
     def around(self, idle: IdleSlot) -> IdleSlot:
@@ -110,27 +148,27 @@ class WaitingNotices:
 
     def describe(self) -> dict[str, Any] | None:
         """The entry to write now, or None when it is not due."""
-        gate = self.gates.get(self.upstream)
-        down = gate is not None and gate.down
-        reason = "upstream_down" if down else "rate_limit"
+        outage = self.outage()
+        reason = outage.reason if outage is not None else "rate_limit"
         now = monotonic()
-        if down and gate is not None and _brief(gate, now):
+        if outage is not None and _brief(outage, now):
             return None
         if not self._due(reason, now):
             return None
-        since = gate.down_since if down and gate is not None else self._said.since
+        since = outage.down_since if outage is not None else self._said.since
         waited = max(now - (since or now), 0.0)
-        data: dict[str, Any] = {
-            "reason": reason,
-            "upstream": self.upstream,
-            "since_ms": int((time.time() - waited) * 1000),
-            "for_s": round(waited, 1),
-        }
-        if down and gate is not None:
-            data["retry_in_s"] = round(gate.next_try_in(), 1)
-            data["detail"] = gate.last_error
+        data: dict[str, Any] = {"reason": reason}
+        if outage is not None:
+            data.update(outage.where())
         else:
-            data["detail"] = f"upstream {self.upstream!r}: its requests per minute are used up"
+            data["upstream"] = self.upstream()
+        data["since_ms"] = int((time.time() - waited) * 1000)
+        data["for_s"] = round(waited, 1)
+        if outage is not None:
+            data["retry_in_s"] = round(outage.next_try_in(), 1)
+            data["detail"] = outage.last_error
+        else:
+            data["detail"] = f"upstream {self.upstream()!r}: its requests per minute are used up"
         return data
 
     def _due(self, reason: str, now: float) -> bool:
@@ -149,8 +187,8 @@ def _pause(said: int) -> float:
     return min(FIRST_PAUSE * 2.0 ** (said - 1), MAX_PAUSE)
 
 
-def _brief(gate: UpstreamGate, now: float) -> bool:
+def _brief(outage: Outage, now: float) -> bool:
     """The outage so far plus the pause before the next try is under ``NOTICE_AFTER``: a
     blip (a 503 retried at once) is not worth an entry."""
-    down_for = now - (gate.down_since if gate.down_since is not None else now)
-    return down_for + gate.next_try_in() < NOTICE_AFTER
+    down_for = now - (outage.down_since if outage.down_since is not None else now)
+    return down_for + outage.next_try_in() < NOTICE_AFTER

@@ -32,22 +32,27 @@ from worker import logs
 from worker.errors import (
     ChatstreamError,
     InvalidJobError,
+    RetryableStreamError,
     StaleAttemptError,
     TruncatedStreamError,
+    UpstreamError,
     UpstreamTimeoutError,
     retryable,
 )
 from worker.protocol.accumulator import Accumulator, FinalMessage
 from worker.protocol.sse import SSEDecoder
-from worker.service.limits import AttemptLimits
+from worker.service.limits import AttemptLimits, FleetLimits
 from worker.service.metrics import JobTiming, Metrics
+from worker.service.routing import RouteState, Routing
 from worker.service.tracing import NoTracing
 from worker.settings import Settings
 from worker.store.publisher import JobStream, Publisher, Terminal
+from worker.store.queue import Entry
 from worker.store.records import Records, dumps
 from worker.upstream.client import UpstreamClient
 from worker.upstream.gate import IdleSlot, keep_slot
 from worker.upstream.idle import ProgressDeadline
+from worker.upstream.verdict import error_status, judge, judge_stream_error
 
 log = logging.getLogger("chatstream.pipeline")
 
@@ -83,6 +88,21 @@ class Attempt:
     idle: IdleSlot = keep_slot  # entered while waiting for a down upstream (frees the slot)
     replicated: bool = True  # its terminal write reached the replicas it waits for
     limits: AttemptLimits | None = None  # its upstream's fleet-wide limits, if it has any
+    entry: Entry | None = None  # the queue entry it runs under
+    route: RouteState | None = None  # the route it uses, if any
+    last_failure: UpstreamError | None = None  # the latest failure of its own tries
+    content: bool = False  # the current attempt published more than the role
+    model: str = ""  # the model its request names (a route's target may send another)
+    tokens: int = 0  # its prompt and completion tokens, as the limits estimate them
+    delivery: int = 1  # its queue entry's delivery count (more than 1: taken over)
+
+    def attempt_now(self) -> int:
+        return self.attempt
+
+    def saw_failure(self, exc: UpstreamError) -> None:
+        """One of its own tries failed (before the first byte, where the upstream client
+        retries it): kept, so its error can say what the upstream last answered."""
+        self.last_failure = exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +114,8 @@ class Services:
     worker_name: str
     metrics: Metrics = field(default_factory=Metrics)
     tracing: NoTracing = field(default_factory=NoTracing)  # the attempt's span, if traced
+    routing: Routing | None = None  # the routes' side of a routed job (None: no routes)
+    fleet_limits: FleetLimits | None = None  # the upstreams' fleet-wide limits
 
 
 async def run_job(services: Services, job: Attempt) -> Outcome:
@@ -102,6 +124,8 @@ async def run_job(services: Services, job: Attempt) -> Outcome:
     error: ChatstreamError | None = None
     try:
         body = load_request(job.request, services.settings.max_request_bytes)
+        _know_request(services.settings, job, body)
+        _join_route(services, job)
         services.tracing.requested(body)
         async with asyncio.timeout(services.settings.job_timeout):
             final, error = await stream_with_retries(services, job, body)
@@ -122,12 +146,52 @@ async def run_job(services: Services, job: Attempt) -> Outcome:
 
 
 def _timed_out(services: Services, job: Attempt) -> UpstreamTimeoutError:
-    """The job timeout's error, naming the upstream outage the job was waiting out."""
+    """The job timeout's error, naming what the job was waiting for, with the last answer
+    its own tries got (status and the upstream's words), else its target's latest."""
     message = f"job exceeded {services.settings.job_timeout:g}s"
-    gate = services.upstream.gates.get(job.upstream)
-    if not job.opened and gate is not None and gate.down:
-        message += f" waiting for upstream {job.upstream!r}, down: {gate.last_error}"
-    return UpstreamTimeoutError(message)
+    own = job.last_failure
+    if job.route is not None and job.route.waiting_since is not None:
+        message += f" waiting for a target of route {job.route.name!r}"
+    elif not job.opened:
+        gate = services.upstream.down_gate(job.upstream, job.model)
+        if gate is not None:
+            message += f" waiting for {gate.label}, down"
+            own = own or gate.last_failure
+    if own is None:
+        return UpstreamTimeoutError(message)
+    message += f"; last answer: {own}"
+    return UpstreamTimeoutError(message, status=own.status, detail=own.detail)
+
+
+def _know_request(settings: Settings, job: Attempt, body: dict[str, Any]) -> None:
+    """What the attempt needs of its request besides the body: its model, and its tokens as
+    the limits estimate them (a route's target is admitted on them)."""
+    model = body.get("model")
+    job.model = model if isinstance(model, str) else ""
+    max_tokens = next(
+        (v for k in ("max_completion_tokens", "max_tokens") if _is_count(v := body.get(k))), None
+    )
+    completion = max_tokens if max_tokens is not None else settings.completion_tokens_estimate
+    job.tokens = len(job.request) // 4 + completion
+
+
+def _join_route(services: Services, job: Attempt) -> None:
+    """A job of a route starts on the target the scheduler chose with its entry (with the
+    permit it took), or finds one before its first try."""
+    routing = services.routing
+    name = routing.route_of(job.upstream, job.model) if routing is not None else None
+    if routing is None or name is None:
+        return
+    if job.entry is None:
+        raise InvalidJobError(f"route {name!r}: a routed job runs from a queue entry")
+    target = routing.first_target(job.entry, name, job.delivery)
+    job.route = RouteState(name, target)
+    if target is not None and services.fleet_limits is not None:
+        job.limits = services.fleet_limits.for_entry(job.entry, target.upstream, job.idle)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def load_request(raw: str, max_bytes: int) -> dict[str, Any]:
@@ -143,25 +207,64 @@ def load_request(raw: str, max_bytes: int) -> dict[str, Any]:
 async def stream_with_retries(
     services: Services, job: Attempt, body: dict[str, Any]
 ) -> tuple[FinalMessage, ChatstreamError | None]:
-    """Stream the reply; retry retryable failures the policy allows."""
+    """Stream the reply; retry retryable failures the policy allows (on a route: on the
+    next target)."""
     tries = 0
     while True:
-        tries += 1
         acc = job.acc = Accumulator()
         job.opened = False
         try:
-            await stream_once(services, job, body, acc)
+            sent = await _target_body(services, job, body)
+            await stream_once(services, job, sent, acc)
             return acc.finish(), None
         except ChatstreamError as exc:
+            tries += job.opened
             services.metrics.upstream_error(exc, job.upstream)
+            if isinstance(exc, UpstreamError):
+                job.last_failure = exc
             plan = retry_plan(services.settings, job, exc, tries)
             if plan is Retry.NO:
                 return acc.finish(), exc
-            if plan is Retry.NEW_ATTEMPT and not await start_next_attempt(services, job):
+            failed_at = served(job)
+            await _after_failure(services, job, exc)
+            if plan is Retry.NEW_ATTEMPT and not await start_next_attempt(services, job, failed_at):
                 return acc.finish(), exc
             services.metrics.pipeline_retry()
             services.tracing.retried("stream", exc)
             log.info("job %s attempt %d: retrying after %s", job.job_id, job.attempt, exc.code)
+
+
+async def _target_body(services: Services, job: Attempt, body: dict[str, Any]) -> dict[str, Any]:
+    """The body for the next try: a routed job's goes to its target (chosen now if it has
+    none: waiting without its slot while no target can take it), with the target's model."""
+    state, routing = job.route, services.routing
+    if state is None or routing is None:
+        return body
+    target = state.target
+    if target is None or routing.locally_down(target):
+        target = await routing.next_target(job, job.tokens, context=state.on_context)
+        state.target = target
+        if services.fleet_limits is not None and job.entry is not None:
+            job.limits = services.fleet_limits.for_entry(
+                job.entry, target.upstream, job.idle, routed=True
+            )
+    job.upstream = target.upstream
+    services.tracing.requested({**body, "model": target.model})
+    return {**body, "model": target.model}
+
+
+async def _after_failure(services: Services, job: Attempt, exc: ChatstreamError) -> None:
+    """What a failed try leaves for the next one: on a route, its target down for the fleet
+    and another to find; else the target's gate told of an error chunk."""
+    verdict = judge(exc)
+    state, routing = job.route, services.routing
+    if state is not None and routing is not None and state.target is not None:
+        await routing.failed(job, state.target, exc, verdict)
+        state.target = None
+        state.moves += 1
+        state.on_context = verdict.context
+    elif isinstance(exc, RetryableStreamError):
+        services.upstream.report(job.upstream, job.model, exc)
 
 
 async def stream_once(
@@ -169,14 +272,38 @@ async def stream_once(
 ) -> None:
     limit = services.settings.max_event_bytes
     decoder = SSEDecoder(limit)
-    stream = services.upstream.stream(job.upstream, body, idle=job.idle, pacing=job.limits)
+    stream = services.upstream.stream(
+        job.upstream,
+        body,
+        idle=job.idle,
+        pacing=job.limits,
+        single_try=job.route is not None,
+        on_failure=job.saw_failure,
+    )
     idle_timeout = services.settings.idle_timeout
     async with stream as reads:
         job.opened = True
+        if job.route is not None and job.route.target is not None and services.routing:
+            await services.routing.answered(job.route.target)
         async with ProgressDeadline(job.upstream, idle_timeout, decoder):
             await reads.feed(_folder(decoder, limit, acc, services.publisher, job))
     if acc.truncated:  # (an unfinished event at the end is never dispatched: nothing to fold)
         raise TruncatedStreamError("the upstream stream ended without [DONE] or a finish_reason")
+    _raise_retryable_stream_error(acc)
+
+
+def _raise_retryable_stream_error(acc: Accumulator) -> None:
+    """An error chunk after the 200 that says "try again" (overloaded, rate limited, a
+    server error) is a retryable failure of the target, not the job's end."""
+    error = acc.finish().error if acc.closed else None
+    if error is None or not judge_stream_error(error).move:
+        return
+    message = error.get("message")
+    raise RetryableStreamError(
+        message if isinstance(message, str) and message else "upstream mid-stream error",
+        status=error_status(error),
+        detail=error,
+    )
 
 
 def _folder(
@@ -210,6 +337,7 @@ def _fold_and_publish(
         delta = acc.take_delta()
         if delta is not None:
             publisher.publish(job.stream, delta)
+            job.content = job.content or len(delta) > ("role" in delta)
         job.timing.saw_output()
 
 
@@ -221,23 +349,42 @@ def _sliced(decoder: SSEDecoder, data: bytes, limit: int) -> Iterator[bytes]:
 
 
 def retry_plan(settings: Settings, job: Attempt, exc: ChatstreamError, tries: int) -> Retry:
-    """Whether (and how) a failed try is retried, by the policy of docs/failures.md."""
+    """Whether (and how) a failed try is retried, by the policy of docs/failures.md (and,
+    on a route, of docs/routing.md)."""
+    if job.route is not None and _to_context_fallback(settings, job, exc):
+        return Retry.SAME_ATTEMPT if not job.content else Retry.NO
     if not retryable(exc) or tries >= settings.max_attempts:
         return Retry.NO
-    if not job.opened:  # UpstreamClient already retried everything before the first byte
+    if not job.opened and job.route is None:  # UpstreamClient retried before the first byte
         return Retry.NO
-    if not _has_output(job.stream):
+    if not job.content:
         return Retry.SAME_ATTEMPT
     return Retry.NEW_ATTEMPT if settings.retry_after_output else Retry.NO
 
 
-async def start_next_attempt(services: Services, job: Attempt) -> bool:
+def _to_context_fallback(settings: Settings, job: Attempt, exc: ChatstreamError) -> bool:
+    """The prompt was too long for the target, and the route has a target for that."""
+    state = job.route
+    if state is None or state.on_context or not judge(exc).context:
+        return False
+    route = settings.routes.get(state.name)
+    return route is not None and route.context_fallback is not None
+
+
+async def start_next_attempt(
+    services: Services, job: Attempt, failed_at: dict[str, str] | None = None
+) -> bool:
     """Start a new attempt of this job (its stream gets a ``reset``), only while the current
     one is still the job's; False when it is not (the attempt goes on to a refused write)."""
     settings = services.settings
     await services.publisher.flush(job.stream)  # its output lands before the `reset`
+    after = {**(failed_at or served(job)), "error": str(job.last_failure or "")[:300]}
     started = await services.records.start(
-        job.job_id, services.worker_name, settings.max_attempts, restart_of=job.attempt
+        job.job_id,
+        services.worker_name,
+        settings.max_attempts,
+        restart_of=job.attempt,
+        reset_detail=dumps({"after": after}),
     )
     if started.state != "started":
         return False
@@ -245,11 +392,8 @@ async def start_next_attempt(services: Services, job: Attempt) -> bool:
     logs.set_attempt(started.attempt)
     services.tracing.reset(started.attempt)
     job.stream = services.publisher.open(job.job_id, started.attempt)
+    job.content = False
     return True
-
-
-def _has_output(stream: JobStream) -> bool:
-    return stream.seq > 0 or stream.pending is not None
 
 
 async def write_terminal(
@@ -261,6 +405,7 @@ async def write_terminal(
     cancelled: bool = False,
 ) -> Outcome:
     terminal = build_terminal(final, error, cancelled=cancelled)
+    _add_served(job, terminal)
     services.tracing.ending(terminal)
     written = await services.publisher.finish(job.stream, terminal)
     job.replicated = terminal.replicated
@@ -290,6 +435,29 @@ async def write_terminal(
 
 
 MAX_LOGGED_MESSAGE = 300
+
+
+def served(job: Attempt) -> dict[str, str]:
+    """Where the job's current try sends its request: ``{upstream, model?, route?}``."""
+    state = job.route
+    if state is not None and state.target is not None:
+        return {"upstream": state.target.upstream, "model": state.target.model, "route": state.name}
+    found = {"upstream": job.upstream}
+    if job.model:
+        found["model"] = job.model
+    return found
+
+
+def _add_served(job: Attempt, terminal: Terminal) -> None:
+    """Once the job ran (it was let through to a target at least once), the terminal write
+    says where its last try went: the record's ``served_upstream`` and ``served_model``, the
+    terminal entry's ``served``."""
+    if job.acc is None:
+        return
+    where = served(job)
+    terminal.event_data["served"] = where
+    terminal.fields["served_upstream"] = where["upstream"]
+    terminal.fields["served_model"] = where.get("model", "")
 
 
 def log_failure(job_id: str, attempt: int, upstream: str, error: dict[str, Any]) -> None:

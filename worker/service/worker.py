@@ -30,8 +30,9 @@ from worker.service.entries import EntryFate, HeldEntry
 from worker.service.health import MetricsServer
 from worker.service.limits import FleetLimits
 from worker.service.metrics import Metrics
-from worker.service.notices import WaitingNotices
+from worker.service.notices import Outage, RouteOutage, WaitingNotices
 from worker.service.pipeline import Attempt, Services, run_job
+from worker.service.routing import Routing
 from worker.service.runtime import default_upstream_unset, startup_summary
 from worker.service.slots import Slots
 from worker.service.ticks import WakeCoalescer
@@ -98,6 +99,8 @@ class Worker:
         self.metrics.watch_upstreams(self._upstream_health)
         self.metrics.watch_tenants(self._running_by_tenant)
         self.liveness = Liveness(redis, self.keys, self.name, settings.heartbeat_timeout)
+        self.limits = FleetLimits(settings, self.queue.scheduler)
+        routing = Routing(settings, self.queue.scheduler) if settings.routes else None
         self.services = Services(
             settings,
             self.records,
@@ -106,9 +109,10 @@ class Worker:
             self.name,
             metrics=self.metrics,
             tracing=self.tracing,
+            routing=routing,
+            fleet_limits=self.limits,
         )
         self.fate = EntryFate(self.queue, self.records, self.replication, self.keys, self.metrics)
-        self.limits = FleetLimits(settings, self.queue.scheduler)
         self.upkeep = Upkeep(self)
         self.ticks = WakeCoalescer(settings.wake_tick_ms / 1000, lambda: bool(self.running))
         self.running: dict[str, HeldEntry] = {}
@@ -352,9 +356,16 @@ class Worker:
             return
         logs.set_attempt(started.attempt)
         stream = self.publisher.open(job_id, started.attempt)
-        job = held.job = Attempt(job_id, started.attempt, started.request, started.upstream, stream)
+        job = held.job = Attempt(
+            job_id, started.attempt, started.request, started.upstream, stream, entry=entry
+        )
+        job.delivery = delivery
         notices = WaitingNotices(
-            self.records, self.upstream.gates, job_id, job.upstream, lambda: job.attempt
+            self.records,
+            job_id,
+            lambda: self._outage_of(job),
+            job.attempt_now,
+            lambda: job.upstream,
         )
         job.idle = notices.around(self.slots.without_slot(held))
         job.limits = self.limits.for_entry(entry, job.upstream, job.idle)
@@ -404,8 +415,14 @@ class Worker:
         job = held.job
         if held.waiting or job is None or job.opened:
             return held.waiting
-        gate = self.upstream.gates.get(job.upstream)
-        return gate is not None and gate.down
+        return self._outage_of(job) is not None
+
+    def _outage_of(self, job: Attempt) -> Outage | None:
+        """What the job waits for, while it waits: a target of its route, or its upstream
+        (or target) that is down (None: it waits for nothing of that kind)."""
+        if job.route is not None and job.route.waiting_since is not None:
+            return RouteOutage(job.route)
+        return self.upstream.down_gate(job.upstream, job.model)
 
     def _running_by_tenant(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -419,8 +436,13 @@ class Worker:
         self.tracing.retried("upstream", exc, wait)
 
     def _upstream_health(self) -> list[tuple[str, bool, int]]:
-        gates = self.upstream.gates.values()
-        return [(gate.name, gate.down, gate.waiting) for gate in gates]
+        """Per upstream: its own gate down, and the jobs waiting on it or its targets."""
+        rows: dict[str, tuple[bool, int]] = {}
+        for key, gate in list(self.upstream.gates.items()):
+            name, _, model = key.partition("\x00")
+            down, waiting = rows.get(name, (False, 0))
+            rows[name] = (down or (gate.down and not model), waiting + gate.waiting)
+        return [(name, down, waiting) for name, (down, waiting) in rows.items()]
 
     async def _leave(self) -> None:
         with contextlib.suppress(RedisError):

@@ -78,6 +78,22 @@ class Entry:
         return self.raw.get("tenant", "default")
 
     @property
+    def route(self) -> str:
+        """The route the scheduler chose the entry's target from ('' = none)."""
+        return self.raw.get("route", "")
+
+    @property
+    def target(self) -> int | None:
+        """The index of the route's target the scheduler chose (None: no route)."""
+        value = self.raw.get("target", "")
+        return int(value) if value.isdigit() else None
+
+    @property
+    def probe(self) -> bool:
+        """The job is the one that tries the target after its cooldown."""
+        return self.raw.get("probe") == "1"
+
+    @property
     def dispatched_at(self) -> float | None:
         """When the scheduler moved the job into the stream (its entry id's time), Unix
         seconds; None for an entry a producer added itself."""

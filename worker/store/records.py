@@ -18,7 +18,7 @@ from typing import Any
 
 from redis.commands.core import AsyncScript
 
-from schemas.jobs import OUTPUT_FIELDS
+from schemas.jobs import OUTPUT_FIELDS, SERVED_FIELDS
 from worker.store import lua
 from worker.store.batch import Command
 from worker.store.keys import Keys
@@ -161,6 +161,7 @@ class Records:
         delivery: int | None = None,
         restart_of: int | None = None,
         dispatched_at: float | None = None,
+        reset_detail: str = "",
     ) -> Started:
         """Start the next attempt (fenced: every earlier attempt's writes are refused).
 
@@ -173,7 +174,8 @@ class Records:
         ``token`` identifies this start: pass the same one when retrying it after an error
         (the reply may have been lost after the start happened) to get the same attempt.
         ``dispatched_at`` (when the entry left its tenant's queue) is kept from the first
-        start as the record's ``dispatched_at``.
+        start as the record's ``dispatched_at``. ``reset_detail``: a JSON object of fields the
+        ``reset`` entry adds to its ``reason`` (what failed before, ``after``).
         """
         now, token = f"{time.time():.6f}", token or secrets.token_hex(8)
         args: list[str | int] = [
@@ -186,6 +188,7 @@ class Records:
             token,
             "" if restart_of is None else restart_of,
             "" if dispatched_at is None else f"{dispatched_at:.3f}",
+            reset_detail,
         ]
         result = await self._start(keys=self.job_keys(job_id), args=args)
         state = as_text(result[0])
@@ -216,7 +219,12 @@ class Records:
         Returns ``requeued`` or ``unqueued`` (the caller adds a queue entry), ``queued``
         (it already is), ``missing``, or the job's other status (refused).
         """
-        args: list[str | int] = [f"{time.time():.6f}", self.retention, *OUTPUT_FIELDS]
+        args: list[str | int] = [
+            f"{time.time():.6f}",
+            self.retention,
+            *OUTPUT_FIELDS,
+            *SERVED_FIELDS,
+        ]
         return as_text(await self._requeue(keys=self.job_keys(job_id), args=args))
 
     async def dead_lettered(self, job_id: str, dead_entry: str) -> None:

@@ -21,6 +21,7 @@ share of every limit (rounded up). See docs/decisions.md, 48, and docs/redis.md.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from redis.commands.core import AsyncScript
 
 from schemas.requests import PRIORITY_RANK, ChatRequest
 from worker.errors import QueueFullError
-from worker.settings import Settings, UpstreamLimits
+from worker.settings import Route, Settings, UpstreamLimits
 from worker.store import lua
 from worker.store.keys import Keys
 from worker.store.records import as_text
@@ -42,6 +43,9 @@ UNQUEUE = lua.script("sched/unqueue", with_lib=True)
 REQUEST = lua.script("sched/request", with_lib=True)
 COOL = lua.script("sched/cool", with_lib=True)
 SPEND = lua.script("sched/spend", with_lib=True)
+ROUTE = lua.script("sched/route", with_lib=True)
+TRIP = lua.script("sched/trip", with_lib=True)
+HEAL = lua.script("sched/heal", with_lib=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +106,74 @@ def config_fields(settings: Settings) -> dict[str, str]:
         fields[f"u:{name}"] = _limits_text(limits, shards)
     for tenant, weight in settings.tenant_weights.items():
         fields[f"w:{tenant}"] = repr(float(weight))
-    for name in settings.upstream_names():
-        fields[f"s:{name}"] = "1"  # an upstream the workers serve
+    for name in [*settings.upstream_names(), *settings.routes]:
+        fields[f"s:{name}"] = "1"  # an upstream (or route) the workers serve
+    for name, route in settings.routes.items():
+        fields[f"r:{name}"] = route_text(name, route)
     return fields
+
+
+def route_text(name: str, route: Route) -> str:
+    """A route as the scheduler scripts read it (``sched/routes.lua``)."""
+    targets = [[t.upstream, route.target_model(t, name), t.weight] for t in route.targets]
+    text: dict[str, Any] = {"s": route.strategy, "t": targets}
+    if (context := route.context_fallback) is not None:
+        text["c"] = [context.upstream, route.target_model(context, name), context.weight]
+    return json.dumps(text, separators=(",", ":"))
 
 
 def _limits_text(limits: UpstreamLimits, shards: int) -> str:
     values = (limits.max_concurrent, limits.requests_per_minute, limits.tokens_per_minute)
     return "|".join(str(shard_share(value, shards) or "") for value in values)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteEntry:
+    """What the route script needs of a started job's queue entry."""
+
+    job_id: str
+    entry_id: str
+    shard: int
+    route: str
+    permit: str  # the upstream whose permit the entry holds, as the worker knows it
+    context: bool = False  # it needs the route's context fallback
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    """The route script's answer: a target (its index; whether the job is its probe), or
+    seconds to wait (-0.001: until a permit comes free), or an unknown route."""
+
+    target: int | None = None
+    probe: bool = False
+    wait: float = 0.0
+    unknown: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TargetFailure:
+    """A failure that takes a route's target down for the fleet (``model`` empty: its
+    upstream could not be reached, which takes down every target on it)."""
+
+    upstream: str
+    model: str
+    cooldown: float
+    max_cooldown: float
+    retry_after: float | None
+    why: str
+    job_id: str
+
+    def args(self) -> tuple[str | int, ...]:
+        retry_after = "" if self.retry_after is None else int(self.retry_after * 1000)
+        return (
+            self.upstream,
+            self.model,
+            int(self.cooldown * 1000),
+            int(self.max_cooldown * 1000),
+            retry_after,
+            self.why[:300],
+            self.job_id,
+        )
 
 
 class Scheduler:
@@ -122,6 +186,9 @@ class Scheduler:
         self._request: AsyncScript = redis.register_script(REQUEST)
         self._cool: AsyncScript = redis.register_script(COOL)
         self._spend: AsyncScript = redis.register_script(SPEND)
+        self._route: AsyncScript = redis.register_script(ROUTE)
+        self._trip: AsyncScript = redis.register_script(TRIP)
+        self._heal: AsyncScript = redis.register_script(HEAL)
 
     def shard_keys(self, shard: int) -> list[str]:
         return [self.keys.queue_shard(shard), self.keys.sched(shard)]
@@ -170,6 +237,44 @@ class Scheduler:
         for shard in range(self.keys.shards):
             await self._cool(keys=self.shard_keys(shard), args=[upstream, ms])
 
+    async def route(self, entry: RouteEntry, tokens: int) -> RouteChoice:
+        """A target of the entry's route for a started job (its permit moves to the
+        target's upstream), or how long to wait for one."""
+        context = "1" if entry.context else ""
+        args: list[str | int] = [
+            entry.job_id,
+            entry.entry_id,
+            entry.route,
+            tokens,
+            entry.permit,
+            context,
+        ]
+        reply: Any = await self._route(keys=self.shard_keys(entry.shard), args=args)
+        state = as_text(reply[0])
+        if state == "target":
+            return RouteChoice(target=int(reply[1]), probe=int(reply[2]) == 1)
+        if state == "wait":
+            return RouteChoice(wait=int(reply[1]) / 1000)
+        return RouteChoice(unknown=True)
+
+    async def trip(self, failure: TargetFailure) -> float:
+        """A route's target (or, with no model, its upstream) failed: every worker skips it
+        for a cooldown, then one job probes it; seconds until that probe."""
+        args = list(failure.args())
+        waits = [
+            await self._trip(keys=self.shard_keys(shard), args=args)
+            for shard in range(self.keys.shards)
+        ]
+        return int(waits[0]) / 1000
+
+    async def heal(self, upstream: str, model: str, fresh_ms: int) -> bool:
+        """Target (upstream, model) answered: up for every worker; True when it was down."""
+        healed = False
+        for shard in range(self.keys.shards):
+            reply = await self._heal(keys=self.shard_keys(shard), args=[upstream, model, fresh_ms])
+            healed = healed or int(reply) == 1
+        return healed
+
     async def spend(self, shard: int, upstream: str, entry_id: str, tokens: int) -> None:
         """A job's real token usage in place of the estimate it was admitted on."""
         await self._spend(keys=self.shard_keys(shard), args=[upstream, entry_id, tokens])
@@ -207,6 +312,11 @@ class Scheduler:
         raw: dict[Any, Any] = await self.redis.hgetall(self.keys.sched(0) + ":config")
         names = sorted(as_text(k)[2:] for k in raw if as_text(k).startswith("s:"))
         return names or None
+
+    async def routes(self) -> frozenset[str]:
+        """The route names the workers publish (``r:<name>`` in the configuration)."""
+        raw: list[Any] = await self.redis.hkeys(self.keys.sched(0) + ":config")
+        return frozenset(as_text(k)[2:] for k in raw if as_text(k).startswith("r:"))
 
     async def ahead_of(self, job_id: str, tenant: str, upstream: str) -> int | None:
         """How many jobs wait before this one in its tenant's queue for its upstream (None:

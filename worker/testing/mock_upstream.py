@@ -24,7 +24,8 @@ server defaults. ``max_tokens`` below ``tokens`` cuts the reply with ``finish_re
 "length"``. Faults (``"fault"``), at ``fault_after`` tokens where they happen mid-stream:
 
     http_NNN            that HTTP status with an OpenAI-style JSON error (429: Retry-After)
-    midstream_error     an error chunk (top-level ``error``, finish_reason "error"), no [DONE]
+    midstream_error     an error chunk (top-level ``error``, finish_reason "error"), no [DONE];
+                        its ``code`` is ``error_status`` (502 by default, a server_error)
     truncate            the body ends cleanly with neither finish_reason nor [DONE]
     disconnect          the connection is dropped mid-body
     json_200            HTTP 200 with an application/json error body
@@ -48,11 +49,16 @@ stream sleep at least that long between writes, coalescing the tokens due meanwh
 fewer writes for thousands of slow streams). ``timestamps: true`` makes every
 content token the send time ``f"{time.time():.6f} "`` so consumers can measure latency.
 
+A gateway's models (server-only): ``models`` maps a request's ``model`` to options of its own
+(``{"bad-model": {"fault": "http_500"}}``), applied before the request's ``mock`` object, as
+behind LiteLLM or OpenRouter one URL serves models that fail on their own.
+
 Provider limits (server-only): ``max_concurrent`` answers 429 to a request that arrives
 while that many are in progress, ``requests_per_minute`` to one beyond that many in the
 last 60 s (as a provider counts, the rejected ones too); both with ``Retry-After``.
 
 Observability on the app: ``requests`` (per path), ``key_requests`` (per ``mock.key``),
+``model_requests`` (chat requests per request ``model``, rate-limited ones excepted),
 ``open_streams``, ``streams_started``, ``most_concurrent`` (the most requests in progress
 at once), ``rate_limited`` (429s sent for the limits above; ``rate_limited_at``: when),
 ``disconnects`` ([(key, time.monotonic())] of clients that went away mid-response),
@@ -146,7 +152,9 @@ class MockConfig:
     finish_reason: str = "stop"
     words: str = ""  # the reply's words, cycled; empty: "tok0 tok1 ..."
     script: tuple[str, ...] = ()  # the stream's data fields verbatim, instead of the above
+    error_status: int = 502  # the midstream_error chunk's code (its type follows from it)
     # server-only settings
+    models: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     model: str = "mock-model"
     api_key: str | None = None
     record_send_times: bool = False
@@ -178,6 +186,7 @@ REQUEST_OPTIONS: dict[str, str] = {
     "finish_reason": _STR,
     "words": _STR,
     "script": _STRS,
+    "error_status": _INT,
 }
 _ALIASES = {"stall_after": "fault_after"}
 
@@ -215,8 +224,10 @@ def resolve_options(request: dict[str, Any], config: MockConfig) -> MockConfig:
     mock = request.get("mock") or {}
     if not isinstance(mock, dict):
         raise MockRequestError("mock must be an object")
+    model = request.get("model")
+    per_model = config.models.get(model, {}) if isinstance(model, str) else {}
     changes: dict[str, Any] = {}
-    for raw_name, value in mock.items():
+    for raw_name, value in {**per_model, **mock}.items():
         name = _ALIASES.get(raw_name, raw_name)
         if name not in REQUEST_OPTIONS:
             raise MockRequestError(f"unknown mock option {raw_name!r}")
@@ -315,7 +326,12 @@ _ERROR_KINDS = {
     403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
+    529: "overloaded_error",
 }
+
+
+def _error_kind(status: int) -> str:
+    return _ERROR_KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
 def _completion(request: dict[str, Any], options: MockConfig, cid: str) -> dict[str, Any]:
@@ -400,8 +416,9 @@ class _StreamContext:
         return _Chunk(f'data: {self.envelope},"choices":[],"usage":{usage}}}\n\n'.encode(), 0)
 
     def error(self) -> _Chunk:
+        status = self.options.error_status
         error = _dumps(
-            _error_body(502, "mock: upstream failed mid-stream", "server_error")["error"]
+            _error_body(status, "mock: upstream failed mid-stream", _error_kind(status))["error"]
         )
         choices = '[{"index":0,"delta":{},"finish_reason":"error"}]'
         return _Chunk(
@@ -586,7 +603,7 @@ async def _send_http_fault(send: Send, status: int, options: MockConfig) -> None
     headers = []
     if status == 429:
         headers.append((b"retry-after", f"{options.retry_after:g}".encode()))
-    kind = _ERROR_KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    kind = _error_kind(status)
     await _send_json(send, status, _error_body(status, f"mock: HTTP {status}", kind), headers)
 
 
@@ -673,6 +690,7 @@ class MockUpstream:
         self.config = config or MockConfig()
         self.requests: Counter[str] = Counter()
         self.key_requests: Counter[str] = Counter()
+        self.model_requests: Counter[str] = Counter()  # chat requests per request model
         self.open_streams = 0
         self.streams_started = 0
         self.disconnects: list[tuple[str, float]] = []
@@ -761,6 +779,7 @@ class MockUpstream:
             return
         seen = self.key_requests[options.key]
         self.key_requests[options.key] += 1
+        self.model_requests[str(request.get("model"))] += 1
         fault = None if options.fail_times and seen >= options.fail_times else options.fault
         self._completions += 1
         cid = f"chatcmpl-mock{self._completions}"

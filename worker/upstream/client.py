@@ -61,6 +61,7 @@ from worker.speedups import chosen_transport
 from worker.telemetry import inject_upstream
 from worker.upstream import BODY_EXTENSION
 from worker.upstream.gate import IdleSlot, UpstreamGate, keep_slot
+from worker.upstream.verdict import Grain
 
 logger = logging.getLogger("chatstream.upstream")
 
@@ -89,6 +90,16 @@ class Pacing(Protocol):
 
     async def rate_limited(self, retry_after: float | None) -> None:
         """The upstream answered 429: the fleet pauses it (``retry_after`` when it said)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One stream's request and where it goes."""
+
+    name: str  # the upstream's
+    model: str  # the body's (its target's gate)
+    target: Upstream
+    request: httpx.Request
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,7 @@ class UpstreamClient:
         watched = self._owns_http and chosen_transport(settings) == "httptools"
         self._until_first_byte = nullcontext if watched else URGENT.hurry
         self._on_retry = on_retry
-        self.gates: dict[str, UpstreamGate] = {}
+        self.gates: dict[str, UpstreamGate] = {}  # by upstream, and by gate_key(upstream, model)
         guard_http_logs(secrets_of(settings))
 
     async def __aenter__(self) -> UpstreamClient:
@@ -198,14 +209,38 @@ class UpstreamClient:
         if self._owns_http:
             await self._http.aclose()
 
-    def gate(self, name: str) -> UpstreamGate:
-        """The named upstream's gate (its health as this process sees it)."""
-        if name not in self.gates:
+    def gate(self, name: str, model: str | None = None) -> UpstreamGate:
+        """The named upstream's gate (its health as this process sees it), or with ``model``
+        the gate of that target (the upstream's answers about that model)."""
+        key = name if model is None else gate_key(name, model)
+        if key not in self.gates:
             settings = self._settings
-            self.gates[name] = UpstreamGate(
-                name, settings.retry_initial_backoff, settings.retry_max_backoff
+            self.gates[key] = UpstreamGate(
+                name, settings.retry_initial_backoff, settings.retry_max_backoff, model
             )
-        return self.gates[name]
+        return self.gates[key]
+
+    def down_gate(self, name: str, model: str) -> UpstreamGate | None:
+        """The gate that holds a job for ``name`` and ``model`` back: its upstream's, else
+        its target's, while down (None: neither is)."""
+        for key in (name, gate_key(name, model)):
+            gate = self.gates.get(key)
+            if gate is not None and gate.down:
+                return gate
+        return None
+
+    def report(self, name: str, model: str, exc: RetryableUpstreamError) -> None:
+        """A failure of the target seen after its try was let through (an error chunk after
+        the 200): its gate goes down as if the try had failed."""
+        self.gate(name, None if exc.unreachable else model).failed(exc)
+
+    def _forget_idle_target(self, name: str, model: str) -> None:
+        """A target's gate that is up and unused goes: gates are kept for what is live,
+        not for every model ever asked for."""
+        key = gate_key(name, model)
+        gate = self.gates.get(key)
+        if gate is not None and gate.idle:
+            del self.gates[key]
 
     def stream(
         self,
@@ -214,14 +249,19 @@ class UpstreamClient:
         *,
         idle: IdleSlot = keep_slot,
         pacing: Pacing | None = None,
+        single_try: bool = False,
+        on_failure: Callable[[RetryableUpstreamError], None] | None = None,
     ) -> AbstractAsyncContextManager[UpstreamBody]:
         """POST ``body`` to the upstream named ``upstream``; yields its raw body bytes.
 
         Raises ``UnknownUpstreamError`` at once for a name the settings do not define.
-        Entering retries everything before the first body byte; while the upstream is down
-        the caller waits inside ``idle()`` (the worker gives the job's slot back there).
-        Leaving (normally, by an exception or by cancellation) closes the response and its
-        connection. ``pacing`` is asked before every try and told of every 429.
+        Entering retries everything before the first body byte; while the upstream, or the
+        target (the upstream with ``body``'s model), is down the caller waits inside
+        ``idle()`` (the worker gives the job's slot back there). ``single_try``: one try, no
+        gate (a route's job moves to another target instead). Leaving (normally, by an
+        exception or by cancellation) closes the response and its connection. ``pacing`` is
+        asked before every try and told of every 429; ``on_failure`` is told of every failed
+        try.
         """
         target = self._settings.upstream(upstream)
         request = self._http.build_request(
@@ -231,19 +271,27 @@ class UpstreamClient:
             headers=_request_headers(target),
             timeout=self._timeout,
         )
-        return self._stream(upstream, target, request, idle, pacing)
+        model = body.get("model")
+        call = _Call(upstream, model if isinstance(model, str) else "", target, request)
+        return self._stream(call, idle, pacing, single_try, on_failure)
 
     @asynccontextmanager
     async def _stream(
         self,
-        name: str,
-        target: Upstream,
-        request: httpx.Request,
+        call: _Call,
         idle: IdleSlot,
         pacing: Pacing | None,
+        single_try: bool,
+        on_failure: Callable[[RetryableUpstreamError], None] | None,
     ) -> AsyncIterator[UpstreamBody]:
-        opened = await self._open(name, target, request, idle, pacing)
-        body = UpstreamBody(name, opened, self._settings.idle_timeout)
+        if single_try:
+            opened = await self._paced_attempt(call, pacing, on_failure)
+        else:
+            try:
+                opened = await self._open(call, idle, pacing, on_failure)
+            finally:
+                self._forget_idle_target(call.name, call.model)
+        body = UpstreamBody(call.name, opened, self._settings.idle_timeout)
         try:
             yield body
         finally:
@@ -252,24 +300,23 @@ class UpstreamClient:
 
     async def _open(
         self,
-        name: str,
-        target: Upstream,
-        request: httpx.Request,
+        call: _Call,
         idle: IdleSlot,
         pacing: Pacing | None,
+        on_failure: Callable[[RetryableUpstreamError], None] | None,
     ) -> _Opened:
         attempts = self._settings.retry_attempts
-        gate = self.gate(name)
+        gates = (self.gate(call.name), self.gate(call.name, call.model))
         retrying = AsyncRetrying(
             stop=stop_never if attempts is None else stop_after_attempt(attempts),
-            wait=wait_none(),  # the gate paces the tries
+            wait=wait_none(),  # the gates pace the tries
             retry=retry_if_exception(retryable),
-            before_sleep=self._before_sleep(gate),
+            before_sleep=self._before_sleep(gates),
             reraise=True,
         )
         try:
             opened: _Opened = await retrying(
-                self._gated_attempt, gate, idle, target, request, pacing
+                self._gated_attempt, gates, idle, call, pacing, on_failure
             )
         except RetryableUpstreamError as exc:
             # reraise=True: only exhaustion lets a retryable error out, never RetryError.
@@ -281,22 +328,32 @@ class UpstreamClient:
 
     async def _gated_attempt(
         self,
-        gate: UpstreamGate,
+        gates: tuple[UpstreamGate, UpstreamGate],
         idle: IdleSlot,
-        target: Upstream,
-        request: httpx.Request,
+        call: _Call,
         pacing: Pacing | None,
+        on_failure: Callable[[RetryableUpstreamError], None] | None,
     ) -> _Opened:
-        async with gate.admitted(idle):
-            if pacing is None:
-                return await self._attempt(gate.name, target, request)
+        upstream_gate, target_gate = gates
+        async with upstream_gate.admitted(idle), target_gate.admitted(idle, Grain.TARGET):
+            return await self._paced_attempt(call, pacing, on_failure)
+
+    async def _paced_attempt(
+        self,
+        call: _Call,
+        pacing: Pacing | None,
+        on_failure: Callable[[RetryableUpstreamError], None] | None,
+    ) -> _Opened:
+        if pacing is not None:
             await pacing.before_try()
-            try:
-                return await self._attempt(gate.name, target, request)
-            except RetryableUpstreamError as exc:
-                if exc.status == 429:
-                    await pacing.rate_limited(exc.retry_after)
-                raise
+        try:
+            return await self._attempt(call.name, call.target, call.request)
+        except RetryableUpstreamError as exc:
+            if on_failure is not None:
+                on_failure(exc)
+            if exc.status == 429 and pacing is not None:
+                await pacing.rate_limited(exc.retry_after)
+            raise
 
     async def _attempt(self, name: str, target: Upstream, request: httpx.Request) -> _Opened:
         """One try: send, accept status and content type, wait for the first body byte."""
@@ -318,13 +375,15 @@ class UpstreamClient:
             raise
         return _Opened(response, chunks, first, raw)
 
-    def _before_sleep(self, gate: UpstreamGate) -> Callable[[RetryCallState], None]:
+    def _before_sleep(
+        self, gates: tuple[UpstreamGate, UpstreamGate]
+    ) -> Callable[[RetryCallState], None]:
         def log_and_notify(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome is not None else None
-            wait = gate.next_try_in()
+            wait = max(gate.next_try_in() for gate in gates)
             logger.info(
                 "upstream %r attempt %d failed, next try in %.3fs: %s",
-                gate.name,
+                gates[0].name,
                 state.attempt_number,
                 wait,
                 exc,
@@ -333,6 +392,11 @@ class UpstreamClient:
                 self._on_retry(exc, wait)
 
         return log_and_notify
+
+
+def gate_key(upstream: str, model: str) -> str:
+    """``UpstreamClient.gates``' key of a target (an upstream's own key is its name)."""
+    return f"{upstream}\x00{model}"
 
 
 def guard_http_logs(secrets: list[str]) -> None:
@@ -420,7 +484,9 @@ def _translate_httpx_errors(
         raise UpstreamTimeoutError(f"upstream {name!r}: {reason}", upstream=name) from exc
     except httpx.ConnectTimeout as exc:
         raise UpstreamTimeoutError(
-            f"upstream {name!r}: connecting to {_address(url)} timed out", upstream=name
+            f"upstream {name!r}: connecting to {_address(url)} timed out",
+            upstream=name,
+            unreachable=True,
         ) from exc
     except httpx.TimeoutException as exc:
         raise UpstreamTimeoutError(
@@ -435,7 +501,7 @@ def _translate_httpx_errors(
             message = f"upstream {name!r} disconnected mid-stream"
         else:
             message = f"upstream {name!r}: {connect_failure(exc, url)}"
-        raise RetryableUpstreamError(message, upstream=name) from exc
+        raise RetryableUpstreamError(message, upstream=name, unreachable=not streaming) from exc
     except httpx.DecodingError as exc:
         raise ProtocolError(f"upstream {name!r}: undecodable response body") from exc
 

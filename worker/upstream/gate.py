@@ -1,8 +1,12 @@
-"""An upstream's health as one worker process sees it, and the pacing of tries while it is down.
+"""An upstream's (or a target's) health as one worker process sees it, and the pacing of tries
+while it is down.
 
-While an upstream is up, every job calls it at once. A retryable failure before the first
-byte (connection refused or reset, a timeout, HTTP 408/409/425/429/5xx) takes it down. While
-it is down:
+Each upstream has a gate, and so has each target (upstream, model) jobs are sent to: a job's
+try passes both. While they are up, every job calls at once. A retryable failure before the
+first byte takes one down: the upstream's when it could not be reached (connection refused or
+reset, TLS, DNS), the target's when it answered about that model (HTTP 408/409/425/429/5xx,
+no first byte in time), so jobs for other models behind the same URL run on
+(``worker.upstream.verdict``). While a gate is down:
 
 - one job at a time tries it (a *probe*), no sooner than the pause after the previous
   failure: the upstream's ``Retry-After`` when it sent one (up to max(retry_max_backoff,
@@ -29,10 +33,12 @@ from tenacity import wait_random_exponential
 
 from worker.errors import ChatstreamError, RetryableUpstreamError
 from worker.retry import pause
+from worker.upstream.verdict import Grain
 
 log = logging.getLogger("chatstream.upstream")
 
 MIN_RETRY_AFTER_CAP = 60.0
+MAX_MODEL_LABEL = 128  # characters of a model name in a log line
 
 IdleSlot = Callable[[], AbstractAsyncContextManager[None]]
 
@@ -56,11 +62,17 @@ async def wait_for_change(changed: asyncio.Event, timeout: float | None) -> None
 
 
 class UpstreamGate:
-    def __init__(self, name: str, initial_backoff: float, max_backoff: float) -> None:
-        self.name = name
+    reason = "upstream_down"  # what a job waiting on it says (a ``waiting`` entry)
+
+    def __init__(
+        self, name: str, initial_backoff: float, max_backoff: float, model: str | None = None
+    ) -> None:
+        self.name = name  # the upstream's
+        self.model = model  # a target's gate: the model its jobs ask for
         self.waiting = 0  # jobs waiting for their turn, without a slot
         self.down_since: float | None = None  # monotonic
         self.last_error = ""
+        self.last_failure: RetryableUpstreamError | None = None
         self.failures = 0  # failed probes in a row, the failure that took it down included
         self._backoff = wait_random_exponential(multiplier=initial_backoff, max=max_backoff)
         self._retry_after_cap = max(max_backoff, MIN_RETRY_AFTER_CAP)
@@ -75,15 +87,40 @@ class UpstreamGate:
     def next_try_in(self) -> float:
         return max(self._next_try - monotonic(), 0.0) if self.down else 0.0
 
+    def where(self) -> dict[str, str]:
+        """What it guards: its upstream, and the model when it is a target's gate."""
+        return (
+            {"upstream": self.name}
+            if self.model is None
+            else {
+                "upstream": self.name,
+                "model": self.model,
+            }
+        )
+
+    @property
+    def label(self) -> str:
+        """``upstream 'x'``, or ``upstream 'x' model 'y'`` (for log lines and errors)."""
+        model = "" if self.model is None else f" model {self.model[:MAX_MODEL_LABEL]!r}"
+        return f"upstream {self.name!r}{model}"
+
     @asynccontextmanager
-    async def admitted(self, idle: IdleSlot) -> AsyncIterator[None]:
-        """Around one try of the upstream: waits (in ``idle()``) for the caller's turn while
-        the upstream is down; the try's outcome moves the gate."""
+    async def admitted(self, idle: IdleSlot, grain: Grain = Grain.UPSTREAM) -> AsyncIterator[None]:
+        """Around one try: waits (in ``idle()``) for the caller's turn while what this gate
+        guards is down; the try's outcome moves the gate. An upstream's gate goes down when
+        it could not be reached; a target's (upstream, model) when it answered with a
+        retryable failure; a failure of the other grain says nothing of this one, except
+        that an upstream that answered is up."""
         probe = await self._turn(idle)
         try:
             yield
         except RetryableUpstreamError as exc:
-            self._failed(exc, probe)
+            if _grain_of(exc) is grain:
+                self._failed(exc, probe)
+            elif grain is Grain.UPSTREAM:
+                self._up()
+            elif probe:
+                self._probe_done()
             raise
         except ChatstreamError:  # any other upstream answer: it is up
             self._up()
@@ -93,6 +130,15 @@ class UpstreamGate:
                 self._probe_done()
             raise
         self._up()
+
+    def failed(self, exc: RetryableUpstreamError) -> None:
+        """A failure seen after the try was let through (an error chunk after the 200)."""
+        self._failed(exc, probe=False)
+
+    @property
+    def idle(self) -> bool:
+        """Up, and nobody waits on it: the gate may be forgotten."""
+        return not self.down and self.waiting == 0 and not self._probing
 
     async def _turn(self, idle: IdleSlot) -> bool:
         """Return at once while up; while down, once the caller is the probe (True) or the
@@ -125,12 +171,13 @@ class UpstreamGate:
     def _failed(self, exc: RetryableUpstreamError, probe: bool) -> None:
         now = monotonic()
         self.last_error = str(exc)
+        self.last_failure = exc
         if not self.down:
             self.down_since, self.failures = now, 1
             self._next_try = now + self._pause(exc)
             log.warning(
-                "upstream %r is down: %s; jobs bound for it wait, next try in %.1fs",
-                self.name,
+                "%s is down: %s; jobs bound for it wait, next try in %.1fs",
+                self.label,
                 exc,
                 self._next_try - now,
             )
@@ -138,9 +185,8 @@ class UpstreamGate:
             self.failures += 1
             self._next_try = now + self._pause(exc)
             log.warning(
-                "upstream %r still down after %.0fs (try %d): %s; %d jobs waiting, "
-                "next try in %.1fs",
-                self.name,
+                "%s still down after %.0fs (try %d): %s; %d jobs waiting, next try in %.1fs",
+                self.label,
                 now - (self.down_since or now),
                 self.failures,
                 exc,
@@ -160,8 +206,8 @@ class UpstreamGate:
     def _up(self) -> None:
         if self.down_since is not None:
             log.warning(
-                "upstream %r is back after %.1fs; %d waiting jobs resume",
-                self.name,
+                "%s is back after %.1fs; %d waiting jobs resume",
+                self.label,
                 monotonic() - self.down_since,
                 self.waiting,
             )
@@ -176,3 +222,7 @@ class UpstreamGate:
         """Wake every waiter: each looks at the gate again."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def _grain_of(exc: RetryableUpstreamError) -> Grain:
+    return Grain.UPSTREAM if exc.unreachable else Grain.TARGET

@@ -77,6 +77,7 @@ async def test_n_choices_each_accumulate_and_choice_0_keeps_its_shape(harness: H
     assert events[-1].data == {
         "finish_reason": "stop",
         "usage": USAGE,
+        "served": {"upstream": "default", "model": "mock-model"},
         "choices": [
             {"index": 1, "finish_reason": "stop"},
             {"index": 2, "finish_reason": "tool_calls"},
@@ -166,6 +167,7 @@ async def test_provider_extras_reach_the_terminal_entry(harness: Harness) -> Non
     assert events[-1].data == {
         "finish_reason": "stop",
         "usage": USAGE,
+        "served": {"upstream": "default", "model": "mock-model"},
         "web_search": search,
         "free_tier": {"eligible": True},
     }

@@ -337,8 +337,9 @@ async def test_retry_after_output_starts_a_new_attempt_with_reset(harness: Harne
 
 
 async def test_retry_after_output_still_fails_a_terminal_error(harness: Harness) -> None:
+    """An error chunk that is not "try again" (a 400 invalid_request_error) ends the job."""
     async with custom_harness(harness, retry_after_output=True) as h:
-        request, key = faulty("midstream_error", fault_after=3)
+        request, key = faulty("midstream_error", fault_after=3, error_status=400)
         record, events = await run_with(h, request)
     assert_failed(record, events, "upstream_stream_error", "mock: upstream failed", PARTIAL)
     assert harness.mock.key_requests[key] == 1

@@ -187,7 +187,7 @@ async def test_failures_retries_and_error_codes_are_counted(
     assert errors == {
         (("code", "upstream_retryable"), ("status", "500"), up): 1,
         (("code", "upstream_terminal"), ("status", "400"), up): 1,
-        (("code", "upstream_stream_error"), ("status", "none"), up): 1,
+        (("code", "upstream_stream_error"), ("status", "502"), up): 1,
     }
 
 

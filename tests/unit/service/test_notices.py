@@ -51,14 +51,24 @@ def said(job: WaitingNotices, clock: Clock, times: list[float]) -> list[dict[str
     return out
 
 
-def notices_for(gate: UpstreamGate | None, attempt: list[int]) -> WaitingNotices:
-    gates = {} if gate is None else {"default": gate}
-    return WaitingNotices(None, gates, "j", "default", lambda: attempt[0])  # type: ignore[arg-type]
+class Waits:
+    """What the job waits for (``WaitingNotices``' ``outage``): a gate, or nothing."""
+
+    def __init__(self, gate: UpstreamGate | None) -> None:
+        self.gate = gate
+
+    def __call__(self) -> UpstreamGate | None:
+        return self.gate if self.gate is not None and self.gate.down else None
+
+
+def notices_for(waits: Waits, attempt: list[int]) -> WaitingNotices:
+    records: Records = None  # type: ignore[assignment]  # describe() writes nothing
+    return WaitingNotices(records, "j", waits, lambda: attempt[0], lambda: "default")
 
 
 def test_a_blip_is_not_said_then_once_and_at_growing_pauses(clock: Clock) -> None:
     gate = down_gate(clock)
-    job = notices_for(gate, [1])
+    job = notices_for(Waits(gate), [1])
     ticks = [1000.0 + step * 0.05 for step in range(4000)]  # a retry tick every 50 ms, 200 s
     entries = said(job, clock, ticks)
     assert [round(e["for_s"]) for e in entries] == [1, 6, 16, 36, 76, 136, 196]
@@ -70,7 +80,7 @@ def test_a_blip_is_not_said_then_once_and_at_growing_pauses(clock: Clock) -> Non
 
 def test_at_most_max_notices_per_attempt_and_a_new_attempt_says_it_again(clock: Clock) -> None:
     gate, attempt = down_gate(clock), [1]
-    job = notices_for(gate, attempt)
+    job = notices_for(Waits(gate), attempt)
     hours = [1001.0 + 61 * n for n in range(MAX_NOTICES + 10)]
     assert len(said(job, clock, hours)) == MAX_NOTICES
     attempt[0] = 2
@@ -78,11 +88,11 @@ def test_at_most_max_notices_per_attempt_and_a_new_attempt_says_it_again(clock: 
 
 
 def test_a_rate_limit_wait_is_said_at_once(clock: Clock) -> None:
-    job = notices_for(None, [1])
+    waits = Waits(None)
+    job = notices_for(waits, [1])
     [entry] = said(job, clock, [1000.0, 1000.1, 1004.9])
     assert entry["reason"] == "rate_limit" and "requests per minute" in entry["detail"]
-    gate = down_gate(clock)
-    job.gates = {"default": gate}  # the reason changed: said at once (after the blip)
+    waits.gate = down_gate(clock)  # the reason changed: said at once (after the blip)
     assert [e["reason"] for e in said(job, clock, [1006.0])] == ["upstream_down"]
 
 
@@ -99,7 +109,7 @@ async def test_the_entry_is_fenced_by_the_running_attempt(
     [entry] = await stream_entries(redis, keys, "j")
     assert (entry.type.value, entry.attempt) == ("waiting", 2)
     assert 0 < await redis.ttl(keys.events("j")) <= 60
-    job = WaitingNotices(records, {}, "j", "default", lambda: 2)
+    job = WaitingNotices(records, "j", Waits(None), lambda: 2, lambda: "default")
     await redis.hset(keys.job("j"), "status", "running")
     async with job.around(gate_module.keep_slot)():
         pass
@@ -119,7 +129,7 @@ async def test_a_job_that_stays_in_one_wait_is_announced_again(
     await redis.hset(keys.job("j"), mapping={"status": "running", "attempt": "1"})
     gate = UpstreamGate("default", initial_backoff=0.01, max_backoff=0.05)
     gate._failed(RetryableUpstreamError("HTTP 503", retry_after=30.0), probe=False)
-    job = WaitingNotices(Records(redis, keys, 60), {"default": gate}, "j", "default", lambda: 1)
+    job = WaitingNotices(Records(redis, keys, 60), "j", Waits(gate), lambda: 1)
 
     async def entries() -> int:
         return len(await stream_entries(redis, keys, "j"))

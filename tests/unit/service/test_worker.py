@@ -44,6 +44,9 @@ from worker.upstream.client import UpstreamClient
 # -- helpers ----------------------------------------------------------------------------------
 
 
+SERVED = {"upstream": "default", "model": "mock-model"}
+
+
 async def finished(harness: Harness, record: JobRecord) -> list[StreamEvent]:
     """The job's stream, checked; also what a consumer reading from the start sees."""
     events = await stream_entries(harness.redis, harness.worker.keys, record.id)
@@ -185,7 +188,7 @@ async def test_usage_keeps_the_last_non_null_value(settings: Settings, redis: Re
     assert record.status == "succeeded"
     assert record.content == "ab"
     assert record.usage == last
-    assert events[-1].data == {"finish_reason": "stop", "usage": last}
+    assert events[-1].data == {"finish_reason": "stop", "usage": last, "served": SERVED}
     assert sent[0]["stream"] is True
     assert sent[0]["stream_options"] == {"include_usage": True}
 

@@ -16,6 +16,7 @@ import pytest
 from tests.helpers.fakes import InstantGateWaits
 from worker.errors import RetryableUpstreamError, TerminalUpstreamError
 from worker.upstream.gate import IdleSlot, UpstreamGate, keep_slot
+from worker.upstream.verdict import Grain
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def clock() -> Iterator[InstantGateWaits]:
 async def take_down(gate: UpstreamGate, retry_after: float | None = None) -> None:
     with pytest.raises(RetryableUpstreamError):
         async with gate.admitted(keep_slot):
-            raise RetryableUpstreamError("refused", retry_after=retry_after)
+            raise RetryableUpstreamError("refused", retry_after=retry_after, unreachable=True)
     assert gate.down
 
 
@@ -49,7 +50,7 @@ class Upstream:
             await asyncio.sleep(0.005)
             if self.failures > 0:
                 self.failures -= 1
-                raise RetryableUpstreamError("HTTP 503")
+                raise RetryableUpstreamError("connection reset", unreachable=True)
         finally:
             self.running -= 1
 
@@ -141,3 +142,31 @@ async def test_while_up_calls_go_through_without_waiting(clock: InstantGateWaits
     upstream = Upstream(failures=0)
     await asyncio.gather(*(job(gate, upstream) for _ in range(3)))
     assert upstream.calls == 3 and clock.waits == []
+
+
+# -- the grain: an upstream's gate and a target's ---------------------------------------
+
+
+async def test_a_status_takes_the_target_down_and_tells_the_upstream_it_is_up(
+    clock: InstantGateWaits,
+) -> None:
+    upstream = UpstreamGate("gw", initial_backoff=1, max_backoff=4)
+    target = UpstreamGate("gw", initial_backoff=1, max_backoff=4, model="bad")
+    await take_down(upstream)
+    with pytest.raises(RetryableUpstreamError):
+        async with upstream.admitted(keep_slot), target.admitted(keep_slot, Grain.TARGET):
+            raise RetryableUpstreamError("HTTP 503", status=503)
+    assert target.down and not upstream.down  # the upstream answered: up; the model: down
+    assert target.label == "upstream 'gw' model 'bad'"
+    assert target.where() == {"upstream": "gw", "model": "bad"}
+
+
+async def test_an_unreachable_upstream_says_nothing_of_its_targets(
+    clock: InstantGateWaits,
+) -> None:
+    upstream = UpstreamGate("gw", initial_backoff=1, max_backoff=4)
+    target = UpstreamGate("gw", initial_backoff=1, max_backoff=4, model="m")
+    with pytest.raises(RetryableUpstreamError):
+        async with upstream.admitted(keep_slot), target.admitted(keep_slot, Grain.TARGET):
+            raise RetryableUpstreamError("connection refused", unreachable=True)
+    assert upstream.down and not target.down

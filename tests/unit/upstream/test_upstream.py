@@ -401,10 +401,11 @@ async def test_retries_are_logged_without_secrets(
     down, retry, back = caplog.records
     assert {r.name for r in caplog.records} == {"chatstream.upstream"}
     assert (down.levelno, retry.levelno, back.levelno) == (logging.WARNING, logging.INFO, 30)
-    assert "upstream 'default' is down" in down.getMessage() and "502" in down.getMessage()
+    assert "upstream 'default' model 'm' is down" in down.getMessage()
+    assert "502" in down.getMessage()
     message = retry.getMessage()
     assert "'default'" in message and "attempt 1" in message and "502" in message
-    assert "upstream 'default' is back" in back.getMessage()
+    assert "upstream 'default' model 'm' is back" in back.getMessage()
     assert KEY not in caplog.text
 
 

@@ -1,5 +1,5 @@
--- KEYS: record, events. ARGV: now, retention, the output fields (OUTPUT_FIELDS). A failed
--- (dead-lettered) job back to queued with a fresh attempt budget; the attempt counter stays
+-- KEYS: record, events. ARGV: now, retention, the output fields (OUTPUT_FIELDS and
+-- SERVED_FIELDS). A failed (dead-lettered) job back to queued with a fresh attempt budget; the attempt counter stays
 -- monotonic, so every write of an earlier attempt stays fenced. The old events stream (ended
 -- by its error entry) is void.
 local cur = redis.call('HMGET', KEYS[1], 'status', 'attempt', 'releases', 'queue_entry')

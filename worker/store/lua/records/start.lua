@@ -4,7 +4,7 @@
 -- call retried after a lost reply starts nothing new), restart of (an attempt number: a new
 -- attempt of the caller's own run, only while that attempt is current; '' otherwise),
 -- dispatched at (when the entry left its tenant's queue, Unix seconds; '' = not known: kept
--- from the first start).
+-- from the first start), the reset entry's detail (a JSON object of fields it adds, or '').
 -- Attempts count against max_attempts since the last requeue (budget_base), minus releases.
 -- A start from the entry the job runs under is a takeover only with a newer delivery: an
 -- older one (a reply a frozen worker reads late) is 'superseded' and starts nothing.
@@ -72,8 +72,14 @@ if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'entry', ARGV[5]) end
 if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'delivery', ARGV[6]) end
 if ARGV[9] and ARGV[9] ~= '' then redis.call('HSETNX', KEYS[1], 'dispatched_at', ARGV[9]) end
 if attempt > 1 then
+  local data = {reason='attempt ' .. attempt .. ' starts; earlier deltas are void'}
+  if ARGV[10] and ARGV[10] ~= '' then
+    for k, v in pairs(cjson.decode(ARGV[10])) do
+      if k ~= 'reason' then data[k] = v end
+    end
+  end
   redis.call('XADD', KEYS[2], '*', 'type', 'reset', 'attempt', tostring(attempt),
-    'data', cjson.encode({reason='attempt ' .. attempt .. ' starts; earlier deltas are void'}))
+    'data', cjson.encode(data))
   redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
 return {'started', attempt, cur[4] or '', cur[5] or 'default', unpack(origin)}

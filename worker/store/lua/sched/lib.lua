@@ -1,21 +1,23 @@
 -- The fair scheduler of one queue shard: the functions every scheduler script shares (this
--- file is prepended to each of them). docs/decisions.md, 48, says why it is built so.
+-- file, sched/routes.lua and sched/dispatch.lua are prepended to each of them, in that
+-- order). docs/decisions.md, 48, says why it is built so.
 --
 -- KEYS[1] is the shard's stream (the queue), KEYS[2] the shard's scheduler prefix
 -- '<p>:sched:{<tag>}': every other key below starts with it, so each script touches one
 -- Cluster slot (the stream's). Keys under S:
 --   config          hash: u:<upstream> = 'conc|rpm|tpm' (empty: unlimited), w:<tenant> =
---                   weight, lease_ms, est (completion tokens assumed without max_tokens),
+--                   weight, r:<route> = its targets (sched/routes.lua), lease_ms, est
+--                   (completion tokens assumed without max_tokens),
 --                   max_queued (per tenant on this shard; 0: unbounded), burst_ms (the
 --                   requests per minute a burst may take at once, as ms of the rate);
 --                   written by workers
 --   tenants         zset: tenant -> pass (virtual time), the tenants with waiting jobs
 --   left            zset: tenant -> its pass when its last waiting job left, while that is
 --                   ahead of vtime (it rejoins at no less); the LEFT_MAX highest at most
---   tu:<t>          set: the upstreams tenant t has waiting jobs for
+--   tu:<t>          set: the upstreams (or routes) tenant t has waiting jobs for
 --   q:<t>:<u>       zset: job id -> priority rank * 1e13 + arrival number (FIFO per rank)
 --   jobs            hash: job id -> 'tenant|upstream|prompt tokens|max tokens|enqueued ms'
---                   of every waiting job
+--                   of every waiting job (the upstream may be a route's name)
 --   counts          hash: seq, vtime, waiting, t:<tenant> and u:<upstream> waiting counts
 --                   (a field is deleted when its count is back to 0)
 --   permits:<u>     zset: entry id -> last renewal (ms): the jobs of u out of the queue
@@ -41,8 +43,8 @@ end
 
 local function load_config()
   local flat = redis.call('HGETALL', S .. ':config')
-  local c = {limits = {}, weights = {}, lease_ms = 30000, est = 1024, max_queued = 0,
-    burst_ms = 500}
+  local c = {limits = {}, weights = {}, routes = {}, lease_ms = 30000, est = 1024,
+    max_queued = 0, burst_ms = 500}
   for i = 1, #flat, 2 do
     local f, v = flat[i], flat[i + 1]
     local kind, name = string.sub(f, 1, 2), string.sub(f, 3)
@@ -51,6 +53,8 @@ local function load_config()
       c.limits[name] = {conc = num(conc), rpm = num(rpm), tpm = num(tpm)}
     elseif kind == 'w:' then
       c.weights[name] = num(v)
+    elseif kind == 'r:' then
+      c.routes[name] = cjson.decode(v)
     elseif f == 'lease_ms' or f == 'est' or f == 'max_queued' or f == 'burst_ms' then
       c[f] = num(v) or c[f]
     end
@@ -191,120 +195,16 @@ local function take(c, u, tokens, entry, now)
   end
 end
 
--- The head of tenant t's queue for each upstream it waits on: the best one that may be sent
--- now (lowest score: priority, then arrival), and the shortest wait among the others.
-local function best_of_tenant(c, t, now)
-  local best, best_score, best_u, best_tokens, wait
-  for _, u in ipairs(redis.call('SMEMBERS', S .. ':tu:' .. t)) do
-    local head = redis.call('ZRANGE', S .. ':q:' .. t .. ':' .. u, 0, 0, 'WITHSCORES')
-    if head[1] then
-      local _, _, prompt, max = split(redis.call('HGET', S .. ':jobs', head[1]) or '||||')
-      local tokens = prompt + (max or c.est)
-      local w = blocked(c, u, tokens, now)
-      if w == 0 then
-        if best == nil or tonumber(head[2]) < best_score then
-          best, best_score, best_u, best_tokens = head[1], tonumber(head[2]), u, tokens
-        end
-      elseif w > 0 and (wait == nil or w < wait) then
-        wait = w
-      end
-    else
-      redis.call('SREM', S .. ':tu:' .. t, u)
-    end
-  end
-  return best, best_u, best_tokens, wait
-end
-
--- One waiting job less in the counts field f; a count back to 0 is deleted (a tenant that
--- left keeps no field).
-local function count_down(f)
-  if redis.call('HINCRBY', S .. ':counts', f, -1) <= 0 then redis.call('HDEL', S .. ':counts', f) end
-end
-
--- Out of the waiting structures: job j of tenant t for upstream u.
-local function forget(t, u, j)
-  local q = S .. ':q:' .. t .. ':' .. u
-  redis.call('ZREM', q, j)
-  redis.call('HDEL', S .. ':jobs', j)
-  redis.call('HINCRBY', S .. ':counts', 'waiting', -1)
-  count_down('t:' .. t)
-  count_down('u:' .. u)
-  if redis.call('ZCARD', q) == 0 then
-    redis.call('SREM', S .. ':tu:' .. t, u)
-    if redis.call('SCARD', S .. ':tu:' .. t) == 0 then redis.call('ZREM', S .. ':tenants', t) end
+-- What `entry` holds of upstream u: its permit and its reserved tokens (a worker moved the
+-- job to another upstream). The request it made stays counted: it was sent.
+local function release(u, entry)
+  redis.call('ZREM', S .. ':permits:' .. u, entry)
+  local totals = S .. ':tpmt:' .. u
+  local reserved = redis.call('HGET', totals, entry)
+  if reserved then
+    redis.call('HINCRBY', totals, 'total', -tonumber(reserved))
+    redis.call('HDEL', totals, entry)
+    redis.call('ZREM', S .. ':tpm:' .. u, entry)
   end
 end
 
--- Tenant t's last waiting job left at `pass`: it rejoins at `after` at the earliest. Only
--- passes still ahead of vtime matter; of those the LEFT_MAX highest are kept (a tenant
--- forgotten rejoins at vtime, at most one turn early).
-local function remember_left(t, after, vtime)
-  local key = S .. ':left'
-  redis.call('ZADD', key, after, t)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', vtime)
-  local extra = redis.call('ZCARD', key) - LEFT_MAX
-  if extra > 0 then redis.call('ZREMRANGEBYRANK', key, 0, extra - 1) end
-end
-
--- Move the fairest job that may be sent now into the stream. Returns its entry id, or nil
--- and the shortest wait (ms) of a time-bound limit that holds the others back.
-local function dispatch_one(c, now)
-  local tenants = redis.call('ZRANGE', S .. ':tenants', 0, SCAN - 1, 'WITHSCORES')
-  local wait
-  for i = 1, #tenants, 2 do
-    local t, pass = tenants[i], tonumber(tenants[i + 1])
-    local j, u, tokens, w = best_of_tenant(c, t, now)
-    if w ~= nil and (wait == nil or w < wait) then wait = w end
-    if j ~= nil then
-      forget(t, u, j)
-      local after = pass + 1 / (c.weights[t] or 1)
-      redis.call('HSET', S .. ':counts', 'vtime', pass)
-      if redis.call('ZSCORE', S .. ':tenants', t) then
-        redis.call('ZADD', S .. ':tenants', after, t)
-      else
-        remember_left(t, after, pass)
-      end
-      local fields = {'job', j, 'tenant', t, 'upstream', u}
-      if c.limits[u] then
-        fields[#fields + 1] = 'permit'
-        fields[#fields + 1] = u
-      end
-      local entry = redis.call('XADD', K, '*', unpack(fields))
-      take(c, u, tokens, entry, now)
-      return entry, nil
-    end
-    if redis.call('SCARD', S .. ':tu:' .. t) == 0 then redis.call('ZREM', S .. ':tenants', t) end
-  end
-  return nil, wait
-end
-
--- A tenant that starts waiting joins at the pass last chosen, or at its own pass when its
--- last job left later than that (it cannot gain a share by draining its queue each time).
-local function join(t)
-  local pass = tonumber(redis.call('HGET', S .. ':counts', 'vtime') or '0')
-  local own = redis.call('ZSCORE', S .. ':left', t)
-  if own then
-    pass = math.max(pass, tonumber(own))
-    redis.call('ZREM', S .. ':left', t)
-  end
-  redis.call('ZADD', S .. ':tenants', pass, t)
-end
-
-local function dispatch(c, n, now)
-  local moved, wait = 0, nil
-  while moved < n do
-    local entry, w = dispatch_one(c, now)
-    if entry == nil then
-      wait = w
-      break
-    end
-    moved = moved + 1
-  end
-  return moved, wait
-end
-
--- After a job entered the queue or a permit came free: one fair job into the stream, so a
--- worker blocked reading it wakes, unless an entry is waiting there for a reader already.
-local function wake(c, now)
-  if redis.call('ZCARD', S .. ':tenants') > 0 and undelivered() == 0 then dispatch(c, 1, now) end
-end
