@@ -545,6 +545,15 @@ class Settings(BaseSettings):
             f"unknown upstream {name!r}; configured: {self.upstream_names()}"
         )
 
+    def route_targets(self) -> list[tuple[str, str, str]]:
+        """Every (route, upstream, model) the routes may send a job to."""
+        found = []
+        for name, route in self.routes.items():
+            extra = [route.context_fallback] if route.context_fallback else []
+            for target in [*route.targets, *extra]:
+                found.append((name, target.upstream, route.target_model(target, name)))
+        return found
+
     def upstream_names(self) -> list[str]:
         return sorted({DEFAULT_UPSTREAM, *self.upstreams})
 

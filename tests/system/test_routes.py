@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -20,6 +21,7 @@ import pytest
 from schemas.events import EventType
 from tests.helpers.checks import eventually, statuses
 from tests.helpers.fleet import Fleet
+from tests.helpers.processes import CHATSTREAM, clean_env
 from tests.helpers.servers import RedisServer, needs_redis_server
 from worker.store.redis_client import RedisClient
 from worker.testing.mock_upstream import MockConfig, MockUpstream, serve_mock
@@ -125,20 +127,30 @@ async def test_a_target_answering_500_costs_it_few_requests_and_every_job_succee
     await routed.fleet.stop()
 
 
-async def test_a_recovered_target_is_back_in_rotation_within_12_seconds(routed: Routed) -> None:
-    routed.faulty(routed.primary, fault="http_503")
-    await routed.start(2)
-    await routed.run(10)
-    routed.faulty(routed.primary, fault=None)
-    recovered = time.monotonic()
-    served: list[tuple[float, str]] = []
-    while time.monotonic() - recovered < 20:
+async def serve_one_job_after_another(routed: Routed, seconds: float) -> list[tuple[float, str]]:
+    """A job every 0.2 s for ``seconds``: when each ended, and which upstream served it."""
+    began, served = time.monotonic(), []
+    while time.monotonic() - began < seconds:
         [job_id] = await routed.run(1)
         record = await routed.fleet.client.get(job_id)
-        served.append((time.monotonic() - recovered, record.served_upstream or ""))
-        await asyncio.sleep(0.1)
-    after = [upstream for at, upstream in served if at >= 12]
-    assert after and after.count("primary") / len(after) >= 0.9, served
+        served.append((time.monotonic() - began, record.served_upstream or ""))
+        await asyncio.sleep(0.2)
+    return served
+
+
+async def test_a_recovered_target_is_back_in_rotation_within_12_seconds(routed: Routed) -> None:
+    """The primary fails for 16 s (its cooldown has grown to its cap, 8 s), then recovers:
+    within 12 s new jobs are back on it, and stay there."""
+    routed.faulty(routed.primary, fault="http_503")
+    await routed.start(2)
+    during = await serve_one_job_after_another(routed, 16)
+    assert {upstream for _, upstream in during} == {"backup"}
+    routed.faulty(routed.primary, fault=None)
+    after = await serve_one_job_after_another(routed, 15)
+    back = next(at for at, upstream in after if upstream == "primary")
+    assert back <= 12, after
+    later = [upstream for at, upstream in after if at >= 12]
+    assert later.count("primary") / len(later) >= 0.9, after
     await routed.fleet.stop()
 
 
@@ -303,3 +315,37 @@ async def test_one_models_429_behind_a_gateway_does_not_stall_the_others(
         assert record.error["status"] == 429, record.error
         assert "mock: HTTP 429" in record.error["detail"]["message"], record.error
     await fleet.stop()
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("routes", "says"),
+    [
+        (
+            {"fast": {"targets": [{"upstream": "nowhere"}]}},
+            "CHATSTREAM_ROUTES: route 'fast' target 0: unknown upstream 'nowhere'",
+        ),
+        ({"fast": {"targets": []}}, "CHATSTREAM_ROUTES__FAST__TARGETS: List should have"),
+        (
+            {"fast": {"targets": [{"upstream": "default", "weight": 0}]}},
+            "CHATSTREAM_ROUTES__FAST__TARGETS__0__WEIGHT: Value error, weight 0.0 is not in",
+        ),
+        (
+            {"default": {"targets": [{"upstream": "default"}]}},
+            "CHATSTREAM_ROUTES: route 'default' is named like an upstream",
+        ),
+    ],
+)
+def test_a_bad_route_stops_the_worker_at_start_with_one_line(
+    routes: dict[str, Any], says: str, tmp_path: Path
+) -> None:
+    env = {**clean_env(), "CHATSTREAM_ROUTES": json.dumps(routes)}
+    command = [CHATSTREAM, "worker"]
+    done = subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+    assert done.stderr.startswith("chatstream: error: invalid settings: ")

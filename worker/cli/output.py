@@ -44,8 +44,12 @@ def describe_waiting(data: dict[str, Any], now: float | None = None) -> str:
     if now is not None and isinstance(since, int):
         waited = _seconds(round(max(now - since / 1000, 0.0)))
         data = {key: value for key, value in data.items() if key != "retry_in_s"}
-    if data.get("reason") == "upstream_down":
-        text = f"waiting: upstream {upstream!r} down for {waited}"
+    reason, model = data.get("reason"), data.get("model")
+    if reason == "targets_unavailable":
+        text = f"waiting: no target of route {data.get('route', '?')!r} free for {waited}"
+    elif reason == "upstream_down":
+        target = f" model {model!r}" if isinstance(model, str) else ""
+        text = f"waiting: upstream {upstream!r}{target} down for {waited}"
     else:
         text = f"waiting: upstream {upstream!r} rate-limited for {waited}"
     if data.get("detail"):
@@ -66,6 +70,10 @@ def print_record(record: JobRecord, *, as_json: bool, progress: Progress | None 
         print(record.model_dump_json(exclude={"request"}), flush=True)
         return
     print(f"job       {record.id}\nstatus    {record.status.value}\nattempt   {record.attempt}")
+    print(f"upstream  {record.upstream}")
+    if record.served_upstream:
+        model = f" model {record.served_model!r}" if record.served_model else ""
+        print(f"served    upstream {record.served_upstream!r}{model}")
     if progress is not None:
         print(f"progress  {describe_progress(progress)}")
         if progress.waiting is not None:

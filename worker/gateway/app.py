@@ -331,7 +331,12 @@ CORS_HEADERS = [
     PRIORITY_HEADER,
     *telemetry.TRACE_FIELDS,  # a page's own OpenTelemetry sends traceparent (docs/gateway.md)
 ]
-EXPOSED_HEADERS = ["x-chatstream-job-id", "x-chatstream-events-token", "retry-after"]
+EXPOSED_HEADERS = [
+    "x-chatstream-job-id",
+    "x-chatstream-events-token",
+    "x-chatstream-served-by",
+    "retry-after",
+]
 
 
 def create_app(settings: Settings, redis: RedisClient | None = None) -> Starlette:

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -27,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from schemas.jobs import TERMINAL, JobStatus
+from schemas.jobs import TERMINAL, JobRecord, JobStatus
 from schemas.requests import JOB_ID_PATTERN, MAX_NESTING, ChatRequest, Priority, nesting_depth
 from worker.aio import cancel_and_wait
 from worker.client import Client
@@ -58,6 +59,7 @@ RETRY_LINE = b"retry: 1000\n"
 TRUE = frozenset({"1", "true", "yes"})
 CANCEL_HEADER = "x-chatstream-cancel-on-disconnect"
 PRIORITY_HEADER = "x-chatstream-priority"
+SERVED_HEADER = "x-chatstream-served-by"
 QUEUE_FULL_RETRY_AFTER = 5  # seconds: a full tenant queue drains at the fleet's pace
 TERMINAL_VALUES = frozenset(status.value for status in TERMINAL)
 
@@ -333,6 +335,7 @@ class Gateway:
         if not await self.until_end(request, info.job_id):
             return Response(status_code=499)  # nobody is listening
         record = await self.client.get(info.job_id)
+        headers = {**headers, **served_headers(record)}
         if record.status is JobStatus.SUCCEEDED:
             return JSONResponse(fmt.completion(ctx, record), headers=headers)
         kind = "cancelled" if record.status is JobStatus.CANCELLED else "error"
@@ -428,6 +431,15 @@ async def native_frames(batches: AsyncGenerator[list[Row], None]) -> AsyncGenera
 def job_headers(key: ApiKey, job_id: str) -> dict[str, str]:
     """The headers of a new job's reply: its id and the token its events URL carries."""
     return {"x-chatstream-job-id": job_id, "x-chatstream-events-token": key.events_token(job_id)}
+
+
+def served_headers(record: JobRecord) -> dict[str, str]:
+    """``x-chatstream-served-by``: the upstream (and model) of the attempt that ended the job,
+    once it ran: on a route, the target that served it (docs/routing.md)."""
+    if not record.served_upstream:
+        return {}
+    model = f"; model={quote(record.served_model)}" if record.served_model else ""
+    return {SERVED_HEADER: f"{quote(record.served_upstream)}{model}"}
 
 
 def include_usage(body: dict[str, Any]) -> bool:

@@ -42,7 +42,7 @@ from schemas.jobs import TERMINAL
 from worker.errors import ChatstreamError, ProtocolError, UpstreamError
 from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
-from worker.store.scheduler import Scheduler, ShardCounts
+from worker.store.scheduler import Scheduler, ShardCounts, TargetDown
 from worker.store.stats import QueueCounts, queue_counts
 
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -178,6 +178,32 @@ class TenantGauges:
 MAX_TENANT_LABELS = 100
 OTHER = "other"  # the label value of whatever lies beyond a label's bound
 MAX_MODEL_LABEL = 100  # characters of a model name kept as a label value
+
+
+class RouteGauges:
+    """A collector serving which routes' targets the fleet holds down (the breaker, read by
+    the maintenance loop: every worker serves the same values)."""
+
+    def __init__(self) -> None:
+        self.down: list[TargetDown] = []
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family([])]
+
+    def collect(self) -> Iterable[Metric]:
+        return [self._family(self.down)] if self.down else []
+
+    @staticmethod
+    def _family(rows: list[TargetDown]) -> Metric:
+        family = GaugeMetricFamily(
+            "chatstream_route_target_down",
+            "1 while every worker skips the route's target (it failed; one job probes it "
+            "after its cooldown), else 0",
+            labels=["route", "upstream", "model"],
+        )
+        for row in rows:
+            family.add_metric([row.route, row.upstream, row.model[:MAX_MODEL_LABEL]], row.down)
+        return family
 
 
 UpstreamHealth = Callable[[], Iterable[tuple[str, bool, int]]]  # (name, down, jobs waiting)
@@ -316,6 +342,22 @@ class Metrics:
             "Queue entries and running jobs whose record was gone (expired, or Redis lost it)",
             registry=r,
         )
+        self.route_fallbacks = Counter(
+            "chatstream_route_fallbacks",
+            "Jobs that left a route's target for the next one (it failed them, or their "
+            "prompt was too long for it), by route and target",
+            ["route", "upstream", "model"],
+            registry=r,
+        )
+        self.route_jobs = Counter(
+            "chatstream_route_jobs",
+            "Routed jobs that reached a final status, by route, the target that served (or "
+            "failed) them, and status",
+            ["route", "upstream", "model", "status"],
+            registry=r,
+        )
+        self.routes = RouteGauges()
+        r.register(self.routes)
 
     def watch_upstreams(self, health: UpstreamHealth) -> None:
         """Serve ``upstream_down`` and ``upstream_waiting_jobs`` from ``health()``."""
@@ -405,9 +447,24 @@ class Metrics:
         self.publish_batch.observe(size)
         self.publish_seconds.observe(seconds)
 
-    async def refresh_queue(self, redis: RedisClient, keys: Keys) -> None:
+    def route_fallback(self, route: str, upstream: str, model: str) -> None:
+        self.route_fallbacks.labels(
+            route, self.upstream_label(upstream), model[:MAX_MODEL_LABEL]
+        ).inc()
+
+    def route_job(self, route: str, served: dict[str, str], status: str) -> None:
+        """A job of ``route`` ended (``served``: where its last try went)."""
+        upstream, model = self.upstream_label(served["upstream"]), served.get("model", "")
+        self.route_jobs.labels(route, upstream, model[:MAX_MODEL_LABEL], status).inc()
+
+    async def refresh_queue(
+        self, redis: RedisClient, keys: Keys, targets: list[tuple[str, str, str]] | None = None
+    ) -> None:
+        scheduler = Scheduler(redis, keys)
         self.queue.counts = await queue_counts(redis, keys)
-        self.queue.scheduled = await Scheduler(redis, keys).counts()
+        self.queue.scheduled = await scheduler.counts()
+        if targets:
+            self.routes.down = await scheduler.targets_down(targets)
 
 
 # -- the HTTP server ----------------------------------------------------------------------

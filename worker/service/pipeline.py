@@ -260,6 +260,8 @@ async def _after_failure(services: Services, job: Attempt, exc: ChatstreamError)
     state, routing = job.route, services.routing
     if state is not None and routing is not None and state.target is not None:
         await routing.failed(job, state.target, exc, verdict)
+        target = state.target
+        services.metrics.route_fallback(state.name, target.upstream, target.model)
         state.target = None
         state.moves += 1
         state.on_context = verdict.context
@@ -421,6 +423,8 @@ async def write_terminal(
         return Outcome.STALE
     status = terminal.fields["status"]
     services.metrics.job_finished(status, job.timing)
+    if job.route is not None and "served" in terminal.event_data:
+        services.metrics.route_job(job.route.name, terminal.event_data["served"], status)
     if final is not None:
         services.metrics.job_usage(job.upstream, final.model, final.usage)
         if job.limits is not None:

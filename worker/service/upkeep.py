@@ -147,7 +147,8 @@ class Upkeep:
         await self.prune_consumers()
         await self.poll_cancel_flags()
         if self.host.serves_metrics:  # queue gauges, served from memory
-            await self.host.metrics.refresh_queue(self.host.redis, self.host.keys)
+            targets = self.host.settings.route_targets()
+            await self.host.metrics.refresh_queue(self.host.redis, self.host.keys, targets)
 
     async def renew_leases(self) -> None:
         running = self.host.running

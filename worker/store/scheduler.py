@@ -46,6 +46,7 @@ SPEND = lua.script("sched/spend", with_lib=True)
 ROUTE = lua.script("sched/route", with_lib=True)
 TRIP = lua.script("sched/trip", with_lib=True)
 HEAL = lua.script("sched/heal", with_lib=True)
+_DOWN = ("until", "since", "why", "probe")  # a breaker's fields targets_down reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +177,20 @@ class TargetFailure:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TargetDown:
+    """A route's target as the fleet's breaker holds it (shard 0's copy): ``down`` 1 while
+    it is skipped (its cooldown, or a probe trying it), since when, and why."""
+
+    route: str
+    upstream: str
+    model: str
+    down: int
+    since_ms: int | None = None
+    until_ms: int | None = None
+    why: str = ""
+
+
 class Scheduler:
     def __init__(self, redis: RedisClient, keys: Keys) -> None:
         self.redis = redis
@@ -275,6 +290,24 @@ class Scheduler:
             healed = healed or int(reply) == 1
         return healed
 
+    async def targets_down(self, targets: Sequence[tuple[str, str, str]]) -> list[TargetDown]:
+        """The breaker's state of each (route, upstream, model): its target's own, or its
+        upstream's when that could not be reached."""
+        prefix = self.keys.sched(0)
+        seconds, micros = await self.redis.time()
+        now = int(seconds) * 1000 + int(micros) // 1000
+        found = []
+        for route, upstream, model in targets:
+            for key in (f"{prefix}:down:{upstream}", f"{prefix}:down:{upstream}|{model}"):
+                row = [as_text(v) if v else "" for v in await self.redis.hmget(key, _DOWN)]
+                if row[0]:
+                    break
+            until = int(row[0]) if row[0].isdigit() else None
+            since = int(row[1]) if row[1].isdigit() else None
+            down = int(until is not None and (until > now or bool(row[3])))
+            found.append(TargetDown(route, upstream, model, down, since, until, row[2]))
+        return found
+
     async def spend(self, shard: int, upstream: str, entry_id: str, tokens: int) -> None:
         """A job's real token usage in place of the estimate it was admitted on."""
         await self._spend(keys=self.shard_keys(shard), args=[upstream, entry_id, tokens])
@@ -326,9 +359,13 @@ class Scheduler:
         return None if rank is None else int(rank)
 
     async def holding_back(self, job_id: str, upstream: str) -> str | None:
-        """What of its upstream's limits holds a waiting job back on its shard, in words
-        (None: nothing seen: it waits for a free worker or its tenant's turn)."""
+        """What of its upstream's limits (or of its route's targets) holds a waiting job
+        back on its shard, in words (None: nothing seen: it waits for a free worker or its
+        tenant's turn)."""
         prefix = self.keys.sched(self.keys.shard_of(job_id))
+        route = await self.redis.hget(prefix + ":config", f"r:{upstream}")
+        if route:
+            return await self._route_held(job_id, upstream, json.loads(as_text(route)))
         cool = int(await self.redis.pttl(f"{prefix}:cool:{upstream}"))
         if cool > 0:
             return f"upstream {upstream!r} is paused for {cool / 1000:.0f} s after a 429"
@@ -340,6 +377,20 @@ class Scheduler:
         if in_use < int(concurrent):
             return None
         return f"a free stream of upstream {upstream!r} ({in_use} of {concurrent} at once in use)"
+
+    async def _route_held(self, job_id: str, name: str, route: dict[str, Any]) -> str | None:
+        """Why no target of route ``name`` takes the job: each target's breaker or limit."""
+        prefix = self.keys.sched(self.keys.shard_of(job_id))
+        reasons = []
+        for upstream, model, _ in route.get("t", []):
+            why = ""
+            for key in (f"{prefix}:down:{upstream}", f"{prefix}:down:{upstream}|{model}"):
+                why = why or as_text(await self.redis.hget(key, "why") or "")
+            held = why or await self.holding_back(job_id, upstream)
+            if not held:
+                return None  # this target may take it: it waits for a worker or its turn
+            reasons.append(f"{upstream} model {model!r}: {why or held}")
+        return f"no target of route {name!r} can take it now ({'; '.join(reasons)})"
 
     async def counts(self) -> ShardCounts:
         """Waiting jobs per tenant and upstream and permits in use, summed over shards."""

@@ -125,6 +125,7 @@ async def test_a_non_streamed_reply_is_a_chat_completion(gw: GatewayEnv) -> None
     assert body["choices"][0]["message"]["tool_calls"] == record.tool_calls
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert body["usage"] == record.usage == expected_usage(request, MOCK)
+    assert response.headers["x-chatstream-served-by"] == "default; model=mock-model"
 
 
 async def test_a_midstream_failure_ends_with_an_error_chunk_and_no_done(gw: GatewayEnv) -> None:
