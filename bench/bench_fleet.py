@@ -12,8 +12,11 @@ queue
     ``--jobs`` jobs through a reader that takes up to 64 entries per read and acks each:
     entries a producer ``XADD``ed into the stream (the reads of before the scheduler, as
     ``chatstream`` still takes them), the scheduler with no limits, and with every limit
-    set (high enough that none holds a job back: what is measured is the bookkeeping).
-    Jobs/s, the reader's CPU per job and the redis-server's CPU per job (``INFO cpu``).
+    set (high enough that none holds a job back: what is measured is the bookkeeping), and
+    jobs of a route of two targets (``fallback`` and ``weighted``; the targets known to
+    answer, as a running fleet keeps them: the route's choice, its health reads and its
+    round-robin state are what is measured). Jobs/s, the reader's CPU per job and the
+    redis-server's CPU per job (``INFO cpu``).
 
 Run: ``.venv/bin/python bench/bench_fleet.py [--jobs N] [--rounds N] [--quick]``.
 """
@@ -35,12 +38,31 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from worker.client import Client
-from worker.settings import Settings
+from worker.settings import Route, RouteTarget, Settings, Upstream
 from worker.store.keys import Keys
 from worker.store.queue import Queue
 from worker.store.scheduler import config_fields
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "a short question"}]}
+TARGETS = {
+    "upstreams": {
+        "a": Upstream(url="http://127.0.0.1:9/v1"),
+        "b": Upstream(url="http://127.0.0.1:9/v1"),
+    },
+}
+ROUTED = {
+    **TARGETS,
+    "routes": {"fast": Route(targets=[RouteTarget(upstream="a"), RouteTarget(upstream="b")])},
+}
+WEIGHTED = {
+    **TARGETS,
+    "routes": {
+        "fast": Route(
+            strategy="weighted",
+            targets=[RouteTarget(upstream="a", weight=1), RouteTarget(upstream="b", weight=3)],
+        )
+    },
+}
 LIMITS = {
     "upstream_max_concurrent": 100_000,
     "upstream_requests_per_minute": 10_000_000,
@@ -124,6 +146,8 @@ async def queue_costs(url: str, jobs: int) -> list[Row]:
         ("peer: entries XADDed into the stream", {}, _raw_entries),
         ("scheduler, no limits", {}, _scheduled),
         ("scheduler, every limit set", LIMITS, _scheduled),
+        ("route of 2 targets, fallback", ROUTED, _routed),
+        ("route of 2 targets, weighted", WEIGHTED, _routed),
     ]
     for what, updates, fill in cases:
         settings = settings_for(url, f"q{time.monotonic_ns()}", **updates)
@@ -131,6 +155,7 @@ async def queue_costs(url: str, jobs: int) -> list[Row]:
         queue = Queue(redis, keys, "reader")
         await queue.ensure_group()
         await queue.scheduler.publish(config_fields(settings))
+        await _answering(redis, keys, settings)
         await fill(Client.from_settings(settings, redis), keys, jobs)
         rows.append(await _drain(redis, queue, what, jobs))
     await redis.aclose()
@@ -146,6 +171,17 @@ async def _raw_entries(client: Client, keys: Keys, n: int) -> None:
 
 async def _scheduled(client: Client, keys: Keys, n: int) -> None:
     await client.enqueue_many([REQUEST] * n)
+
+
+async def _routed(client: Client, keys: Keys, n: int) -> None:
+    await client.enqueue_many([{**REQUEST, "model": "fast"}] * n)
+
+
+async def _answering(redis: Redis, keys: Keys, settings: Settings) -> None:
+    """A route's targets as a running fleet keeps them: known to answer (workers refresh
+    this every second while their jobs get first bytes), so no trial holds jobs back."""
+    for _, upstream, model in settings.route_targets():
+        await redis.set(f"{keys.sched(0)}:ok:{upstream}|{model}", "1", px=600_000)
 
 
 async def _drain(redis: Redis, queue: Queue, what: str, jobs: int) -> Row:

@@ -349,3 +349,25 @@ def test_a_bad_route_stops_the_worker_at_start_with_one_line(
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
     assert done.stderr.startswith("chatstream: error: invalid settings: ")
+
+
+async def test_a_prompt_too_long_for_the_targets_goes_to_the_routes_context_fallback(
+    routed: Routed,
+) -> None:
+    routes = {
+        "fast": {
+            "targets": [{"upstream": "primary", "model": "p-model"}],
+            "context_fallback": {"upstream": "backup", "model": "long-context"},
+        }
+    }
+    routed.faulty(routed.primary, fault="context_length")
+    await routed.start(1, routes=json.dumps(routes))
+    [job_id] = await routed.run(1)
+    record = await routed.fleet.client.get(job_id)
+    assert (record.status, record.served_upstream, record.served_model) == (
+        "succeeded",
+        "backup",
+        "long-context",
+    )
+    assert routed.primary.model_requests["p-model"] == 1
+    await routed.fleet.stop()

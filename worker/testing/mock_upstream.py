@@ -29,6 +29,7 @@ server defaults. ``max_tokens`` below ``tokens`` cuts the reply with ``finish_re
     truncate            the body ends cleanly with neither finish_reason nor [DONE]
     disconnect          the connection is dropped mid-body
     json_200            HTTP 200 with an application/json error body
+    context_length      HTTP 400: OpenAI's ``context_length_exceeded`` error
     wrong_content_type  HTTP 200 text/plain
     malformed_json      one ``data:`` line of broken JSON, then the stream goes on
     oversized_event     one content chunk of ``oversized_mb`` MiB of "x", then goes on
@@ -121,7 +122,22 @@ MIDSTREAM_FAULTS = frozenset(
         "drip",
     }
 )
-FAULTS = MIDSTREAM_FAULTS | {"json_200", "wrong_content_type", "no_first_byte", "keepalive"}
+FAULTS = MIDSTREAM_FAULTS | {
+    "json_200",
+    "wrong_content_type",
+    "no_first_byte",
+    "keepalive",
+    "context_length",
+}
+CONTEXT_LENGTH_ERROR = {  # OpenAI's answer to a prompt longer than the model's context
+    "error": {
+        "message": "This model's maximum context length is 8192 tokens. However, your "
+        "messages resulted in 9000 tokens. Please reduce the length of the messages.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+}
 _HTTP_FAULT = re.compile(r"http_([45]\d\d)")
 _REASONING_DEFAULT = 8  # fragments sent for "reasoning": true
 _ARG_FRAGMENT = 8  # characters per tool-call arguments fragment
@@ -822,6 +838,8 @@ class MockUpstream:
         elif fault == "json_200":
             body = _error_body(500, "mock: error in a 200 response", "server_error")
             await _send_json(send, 200, body)
+        elif fault == "context_length":
+            await _send_json(send, 400, CONTEXT_LENGTH_ERROR)
         elif fault == "wrong_content_type":
             await _send_bytes(send, 200, b"text/plain; charset=utf-8", b"mock: not an event stream")
         elif not request.get("stream"):

@@ -42,21 +42,23 @@ local function down_state(key, now, lease)
   return 'probe', 0
 end
 
--- Target (u, m): down when its upstream or itself is; 'trial' (with the ms to wait) when no
--- answer confirmed it lately and TRIAL jobs are on their way to it already.
+-- Target (u, m): 'up' (it answered lately), 'new' (no answer confirmed it lately: a job
+-- may go as one of its trial), 'trial' (TRIAL jobs are on their way to it already: wait
+-- for their answers), 'probe', or 'down' (its upstream or itself), with the ms to wait.
 local function health(c, u, m, now)
-  local su, wu = down_state(S .. ':down:' .. u, now, c.lease_ms)
-  if su == 'down' then return 'down', wu end
   local tk = target_key(u, m)
-  local st, wt = down_state(S .. ':down:' .. tk, now, c.lease_ms)
-  if st == 'down' then return 'down', wt end
-  if su == 'probe' or st == 'probe' then return 'probe', 0 end
-  if redis.call('EXISTS', S .. ':ok:' .. tk) == 0 then
-    if tonumber(redis.call('GET', S .. ':trial:' .. tk) or '0') >= TRIAL then
-      return 'trial', POLL_MS
-    end
+  if redis.call('EXISTS', S .. ':down:' .. u, S .. ':down:' .. tk) > 0 then
+    local su, wu = down_state(S .. ':down:' .. u, now, c.lease_ms)
+    if su == 'down' then return 'down', wu end
+    local st, wt = down_state(S .. ':down:' .. tk, now, c.lease_ms)
+    if st == 'down' then return 'down', wt end
+    return 'probe', 0
   end
-  return 'up', 0
+  if redis.call('EXISTS', S .. ':ok:' .. tk) == 1 then return 'up', 0 end
+  if tonumber(redis.call('GET', S .. ':trial:' .. tk) or '0') >= TRIAL then
+    return 'trial', POLL_MS
+  end
+  return 'new', 0
 end
 
 -- Smooth weighted round-robin among the eligible targets {index, weight, state}: exact
@@ -87,9 +89,9 @@ end
 
 -- A target of route r for a job of `tokens` tokens: `fallback` takes the first in order that
 -- is up and has room, `weighted` chooses by weight among those; a target at its limits is
--- passed over (spill-over), and a down one. Returns the target's index and health ('up' or
--- 'probe'), or nil and the ms until one may have room (-1: when a permit comes free). A
--- choice that falls on a target awaiting its first answers ('trial') waits for them.
+-- passed over (spill-over), and a down one. Returns the target's index and health ('up',
+-- 'new' or 'probe'), or nil and the ms until one may have room (-1: when a permit comes
+-- free). A choice that falls on a target awaiting its first answers ('trial') waits.
 local function choose(c, r, tokens, now)
   local route = c.routes[r]
   local eligible, wait = {}, nil
@@ -122,7 +124,7 @@ local function sent(c, r, i, state, j, now)
         redis.call('HSET', key, 'probe', j, 'probe_at', now)
       end
     end
-  elseif redis.call('EXISTS', S .. ':ok:' .. tk) == 0 then
+  elseif state == 'new' then
     redis.call('INCR', S .. ':trial:' .. tk)
     redis.call('PEXPIRE', S .. ':trial:' .. tk, TRIAL_MS)
   end
