@@ -249,8 +249,10 @@ async def _target_body(services: Services, job: Attempt, body: dict[str, Any]) -
                 job.entry, target.upstream, job.idle, routed=True
             )
     job.upstream = target.upstream
-    services.tracing.requested({**body, "model": target.model})
-    return {**body, "model": target.model}
+    sent = {**body, "model": target.model}
+    services.tracing.routed(state.name, target.upstream)
+    services.tracing.requested(sent)
+    return sent
 
 
 async def _after_failure(services: Services, job: Attempt, exc: ChatstreamError) -> None:

@@ -67,6 +67,9 @@ class NoTracing:
     def requested(self, body: dict[str, Any]) -> None:
         """The attempt's upstream body is known (its model names the span)."""
 
+    def routed(self, route: str, upstream: str) -> None:
+        """A route's target was chosen: its upstream is the span's server from now on."""
+
     def retried(self, stage: str, exc: BaseException, wait: float | None = None) -> None:
         """A retry: ``upstream`` before the first byte, ``stream`` of the whole stream."""
 
@@ -238,6 +241,16 @@ class Tracing(NoTracing):
             traced.span.update_name(f"{OPERATION} {model}")
             traced.attributes["gen_ai.request.model"] = model
         traced.attributes.update(request_attributes(body))
+
+    def routed(self, route: str, upstream: str) -> None:
+        traced = _current.get()
+        if traced is None:
+            return
+        traced.server = self.server(upstream)
+        traced.attributes.update(traced.server.attributes())
+        traced.attributes["gen_ai.system"] = traced.server.provider
+        traced.attributes["chatstream.upstream"] = upstream
+        traced.attributes["chatstream.route"] = route
 
     def retried(self, stage: str, exc: BaseException, wait: float | None = None) -> None:
         traced = _current.get()

@@ -32,7 +32,7 @@ from worker.client import Client
 from worker.service.metrics import Metrics
 from worker.service.tracing import END_BATCH_SECONDS, Tracing
 from worker.service.worker import Worker
-from worker.settings import Settings, Upstream
+from worker.settings import Route, RouteTarget, Settings, Upstream
 from worker.testing.mock_upstream import MockUpstream, expected_usage
 
 SECRET_TEXT = "the-prompt-text-nobody-may-see"
@@ -90,7 +90,8 @@ async def traced(
         "default": Upstream(url=url, provider="groq"),
         "inner": Upstream(url=url, forward_baggage=True),
     }
-    settings = settings.model_copy(update={"upstreams": upstreams})
+    routes = {"fast": Route(targets=[RouteTarget(upstream="default", model="routed-model")])}
+    settings = settings.model_copy(update={"upstreams": upstreams, "routes": routes})
     tracing = Tracing(settings, Metrics(), tracer_provider, meter_provider)
     worker = Worker(settings, redis, tracing=tracing)
     await worker.startup()
@@ -165,6 +166,22 @@ async def test_a_succeeded_job_is_one_span_in_the_callers_trace(traced: Traced) 
     assert "baggage" not in headers  # never the caller's baggage, unless the upstream opts in
     events = [event async for event in traced.client.events(job_id)]
     assert events[-1].type == "done" and ids(events[-1].data["traceparent"]) == own
+
+
+async def test_a_routed_jobs_span_names_its_target(traced: Traced) -> None:
+    job_id = await traced.client.enqueue({**chat("hi"), "model": "fast"})
+    assert await traced.worker.run_burst() == 1
+    [span] = traced.attempt_spans()
+    attributes = dict(span.attributes or {})
+    assert span.name == "chat routed-model"
+    assert attributes["gen_ai.request.model"] == "routed-model"
+    assert (attributes["chatstream.route"], attributes["chatstream.upstream"]) == (
+        "fast",
+        "default",
+    )
+    assert attributes["gen_ai.provider.name"] == "groq"
+    assert attributes["server.address"] == "127.0.0.1"
+    assert (await traced.client.get(job_id)).served_model == "routed-model"
 
 
 async def test_the_metrics_of_a_succeeded_and_a_failed_job(traced: Traced) -> None:
