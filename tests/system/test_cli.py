@@ -301,7 +301,8 @@ async def test_status_of_a_running_job_shows_its_progress(
         r"last delta \d+\.\ds ago",
         lines[3],
     ), lines[3]
-    assert lines[4].startswith("worker    ") and len(lines) == 5  # no empty content line
+    assert lines[4].startswith("worker    ") and lines[5] == "upstream  default"
+    assert len(lines) == 6  # no empty content line
     assert await cli.client.cancel(job_id) == "requested"  # still running: ends it now
 
 

@@ -70,10 +70,6 @@ def print_record(record: JobRecord, *, as_json: bool, progress: Progress | None 
         print(record.model_dump_json(exclude={"request"}), flush=True)
         return
     print(f"job       {record.id}\nstatus    {record.status.value}\nattempt   {record.attempt}")
-    print(f"upstream  {record.upstream}")
-    if record.served_upstream:
-        model = f" model {record.served_model!r}" if record.served_model else ""
-        print(f"served    upstream {record.served_upstream!r}{model}")
     if progress is not None:
         print(f"progress  {describe_progress(progress)}")
         if progress.waiting is not None:
@@ -81,7 +77,12 @@ def print_record(record: JobRecord, *, as_json: bool, progress: Progress | None 
             print(f"waiting   {waiting.removeprefix('waiting: ')}")
         if record.worker:
             print(f"worker    {record.worker}")
+        print(f"upstream  {record.upstream}")
         return
+    print(f"upstream  {record.upstream}")
+    if record.served_upstream:
+        model = f" model {record.served_model!r}" if record.served_model else ""
+        print(f"served    upstream {record.served_upstream!r}{model}")
     if record.finish_reason:
         print(f"finish    {record.finish_reason}")
     if record.usage:
