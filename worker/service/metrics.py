@@ -225,8 +225,8 @@ class UpstreamGauges:
     def _families(rows: list[tuple[str, bool, int]]) -> list[Metric]:
         down = GaugeMetricFamily(
             "chatstream_upstream_down",
-            "1 while this worker finds the upstream down (retryable failures before the first "
-            "byte; one job probes it, the others wait)",
+            "1 while this worker finds the upstream, or a model of it, down (retryable "
+            "failures before the first byte; one job probes it, the others wait)",
             labels=["upstream"],
         )
         waiting = GaugeMetricFamily(

@@ -436,12 +436,12 @@ class Worker:
         self.tracing.retried("upstream", exc, wait)
 
     def _upstream_health(self) -> list[tuple[str, bool, int]]:
-        """Per upstream: its own gate down, and the jobs waiting on it or its targets."""
+        """Per upstream: down when it, or a model of it, is (its gate or a target's), and the
+        jobs waiting on any of them."""
         rows: dict[str, tuple[bool, int]] = {}
-        for key, gate in list(self.upstream.gates.items()):
-            name, _, model = key.partition("\x00")
-            down, waiting = rows.get(name, (False, 0))
-            rows[name] = (down or (gate.down and not model), waiting + gate.waiting)
+        for gate in list(self.upstream.gates.values()):
+            down, waiting = rows.get(gate.name, (False, 0))
+            rows[gate.name] = (down or gate.down, waiting + gate.waiting)
         return [(name, down, waiting) for name, (down, waiting) in rows.items()]
 
     async def _leave(self) -> None:
