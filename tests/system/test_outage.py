@@ -12,8 +12,8 @@ retryable still fails at once.
 from __future__ import annotations
 
 import asyncio
-import re
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
