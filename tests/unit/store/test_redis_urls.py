@@ -21,7 +21,14 @@ from worker.errors import ConfigError
 from worker.service.runtime import startup_summary
 from worker.settings import Settings, load_settings
 from worker.store.keys import Keys
-from worker.store.redis_client import guarded, redis_from_settings, slot_of
+from worker.store.redis_client import (
+    SPARE_CONNECTIONS,
+    BlockingSentinelPool,
+    ShedsIdleConnections,
+    guarded,
+    redis_from_settings,
+    slot_of,
+)
 from worker.urls import parse_redis_url
 
 
@@ -207,3 +214,37 @@ def test_the_guard_turns_the_transports_own_error_into_a_connection_error(
     assert isinstance(raised, RedisConnectionError), repr(raised)
     assert "closed under a write (RuntimeError)" in str(raised)
     assert isinstance(raised.__cause__, RuntimeError)
+
+
+async def test_the_pool_closes_what_a_burst_opened_once_nothing_needs_it(
+    redis_server: RedisServer | None,
+) -> None:
+    """A burst of 40 commands at once opens 40 connections; a shed after a quiet while
+    closes the idle ones (the pub/sub connection, lent meanwhile, stays open and works), the
+    next commands connect again, and up to SPARE_CONNECTIONS idle ones are kept."""
+    server = needs_redis_server(redis_server)
+    client = redis_from_settings(Settings(_env_file=None, redis_url=server.url))
+    assert isinstance(client, Redis)
+    pool = client.connection_pool
+    assert isinstance(pool, ShedsIdleConnections)
+    assert issubclass(BlockingSentinelPool, ShedsIdleConnections)
+
+    async def burst(n: int) -> None:
+        await asyncio.gather(*[client.blpop(["nothing"], timeout=0.1) for _ in range(n)])
+
+    try:
+        await burst(40)
+        assert pool.open_connections == 40
+        async with client.pubsub() as pubsub:
+            await pubsub.subscribe("a-channel")
+            assert await pool.shed_idle() == 0  # the busiest moment since the start needed 40
+            assert await pool.shed_idle() == 39  # nothing needed them since
+            assert pool.open_connections == 1  # the subscription's, lent all along
+            await client.publish("a-channel", "still here")
+            messages = [await pubsub.get_message(timeout=2) for _ in range(2)]
+            assert [m["data"] for m in messages if m] == [1, "still here"]  # subscribed, then it
+        await burst(SPARE_CONNECTIONS)
+        assert [await pool.shed_idle() for _ in range(2)] == [0, 0]
+        assert pool.open_connections == SPARE_CONNECTIONS
+    finally:
+        await client.aclose()
