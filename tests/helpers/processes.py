@@ -76,3 +76,10 @@ async def mock_process(directory: Path) -> AsyncIterator[str]:
     finally:
         process.kill()
         await process.wait()
+
+
+def footprint(pid: int) -> tuple[int, int]:
+    """A live process's resident memory (``VmRSS``, KiB) and open file descriptors."""
+    with open(f"/proc/{pid}/status") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
