@@ -84,12 +84,21 @@ class FinalMessage:
             return None
         error = self.error or {}
         message = error.get("message")
-        code = error.get("code")
         return MidStreamError(
             message if isinstance(message, str) and message else "upstream mid-stream error",
-            status=code if type(code) is int else None,
+            status=status_of(error.get("code")),
             detail=error,
         )
+
+
+def status_of(code: Any) -> int | None:
+    """An error object's ``code`` as an HTTP status: a number, or a string of three digits
+    (LiteLLM and others send ``"503"``); None for a name (``"rate_limit_exceeded"``)."""
+    if type(code) is int:
+        return code
+    if isinstance(code, str) and len(code) == 3 and code.isascii() and code.isdigit():
+        return int(code)
+    return None
 
 
 # --- reading chunks -----------------------------------------------------------------------
