@@ -469,7 +469,7 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--rate", type=float, default=0.0, help="tokens per second (0: unpaced)")
     p.add_argument("--tool-calls", type=int, default=0, help="parallel tool calls per reply")
     p.add_argument("--reasoning", type=int, default=0, help="reasoning fragments per reply")
-    p.add_argument("--fault", help="inject a fault: http_NNN, midstream_error, truncate, ...")
+    p.add_argument("--fault", help="inject a fault: http_NNN, sse_NNN, midstream_error, ...")
     p.add_argument("--fault-after", type=int, default=3, help="tokens before a mid-stream fault")
     p.add_argument("--keepalive-every", type=int, default=0, help="': keep-alive' every N chunks")
     p.add_argument(
