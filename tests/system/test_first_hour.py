@@ -277,3 +277,24 @@ async def test_small_mistakes_are_accepted_or_said_in_one_line(cli: Cli) -> None
     dead = await cli.run("dead", timeout=DEADLINE)
     assert dead.returncode == 0
     assert dead.stdout == f"{'entry':<20} {'job':<34} code\n"  # a header, as jobs prints
+
+
+# -- issue 35: a newcomer's frictions, again -------------------------------------------------
+
+
+async def test_forcing_a_missing_uvloop_is_the_one_line_error_and_nothing_else(cli: Cli) -> None:
+    """``CHATSTREAM_EVENT_LOOP=uvloop`` where uvloop cannot be imported: exit 1 and the
+    configuration error alone (a RuntimeWarning about an unawaited coroutine followed)."""
+    blocked = "import sys; sys.modules['uvloop'] = None; from worker.cli import main; main()"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", blocked, "worker",
+        env={**cli.env, "CHATSTREAM_EVENT_LOOP": "uvloop"}, cwd=cli.cwd,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(DEADLINE):
+        out, err = await process.communicate()
+    assert (process.returncode, out) == (1, b"")
+    assert err.decode() == (
+        "chatstream: error: CHATSTREAM_EVENT_LOOP=uvloop, but uvloop is not installed "
+        "(pip install 'chatstream[fast]')\n"
+    )
