@@ -298,3 +298,34 @@ async def test_forcing_a_missing_uvloop_is_the_one_line_error_and_nothing_else(c
         "chatstream: error: CHATSTREAM_EVENT_LOOP=uvloop, but uvloop is not installed "
         "(pip install 'chatstream[fast]')\n"
     )
+
+
+SYNC_SCRIPT = """
+from worker.client import SyncClient
+
+with SyncClient.from_url({url!r}, prefix={prefix!r}) as client:
+    job_id = client.enqueue({{"model": "m", "messages": [{{"role": "user", "content": "Hi"}}]}})
+    text = "".join(e.data.get("content", "") for e in client.events(job_id) if e.type == "delta")
+    record = client.result(job_id, timeout=60)
+    print(text)
+    print(record.status)
+"""
+
+
+async def test_sync_client_from_url_runs_as_the_readmes_client_does(cli: Cli) -> None:
+    """``SyncClient.from_url`` as ``Client.from_url``: a script under ``python -X dev``
+    (ResourceWarning an error) streams a reply from a worker process and closes cleanly."""
+    await cli.fleet.start()
+    script = cli.cwd / "sync_snippet.py"
+    script.write_text(SYNC_SCRIPT.format(url=cli.env["CHATSTREAM_REDIS_URL"], prefix=cli.prefix))
+    env = {k: v for k, v in cli.env.items() if k != "CHATSTREAM_PREFIX"}  # from the call
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-X", "dev", "-W", "error::ResourceWarning", str(script),
+        env=env, cwd=cli.cwd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    assert (process.returncode, err.decode()) == (0, "")
+    [job] = (await cli.client.jobs()).jobs
+    record = await cli.client.get(job.id)
+    assert record.content and out.decode() == f"{record.content}\nsucceeded\n"
