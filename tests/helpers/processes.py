@@ -58,11 +58,14 @@ def settings_env(**settings: Any) -> dict[str, str]:
 
 @asynccontextmanager
 async def mock_process(directory: Path) -> AsyncIterator[str]:
-    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU)."""
+    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU),
+    unpaced (``--rate 0``: its default is a reader's pace)."""
     process = await asyncio.create_subprocess_exec(
         CHATSTREAM,
         "mock-upstream",
         "--port",
+        "0",
+        "--rate",
         "0",
         env=clean_env(),
         cwd=directory,

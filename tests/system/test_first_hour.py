@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from tests.helpers.checks import eventually, stream_entries
 from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
+from tests.helpers.processes import CHATSTREAM, clean_env
 from tests.helpers.servers import free_port
 from tests.system.test_cli import DEADLINE, Cli, read_until, run_chatstream
 from worker.cli.demo import DEMO_REPLY
@@ -329,3 +330,27 @@ async def test_sync_client_from_url_runs_as_the_readmes_client_does(cli: Cli) ->
     [job] = (await cli.client.jobs()).jobs
     record = await cli.client.get(job.id)
     assert record.content and out.decode() == f"{record.content}\nsucceeded\n"
+
+
+async def test_the_mock_upstream_command_streams_at_a_readers_pace(cli: Cli) -> None:
+    """``chatstream mock-upstream`` with no options paces its tokens (20 a second), so a
+    reply streams visibly through a worker process: 12 tokens take over half a second and
+    reach the job's stream in many entries (unpaced, they came in one or two)."""
+    process = await asyncio.create_subprocess_exec(
+        CHATSTREAM, "mock-upstream", "--port", "0", env=clean_env(), cwd=cli.cwd,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        line = await asyncio.wait_for(process.stdout.readline(), DEADLINE)
+        await cli.fleet.start(upstream_url=line.decode().rsplit(" ", 1)[-1].strip())
+        job_id = await cli.client.enqueue(chat("hi", tokens=12))
+        record = await cli.client.result(job_id, timeout=30)
+    finally:
+        process.kill()
+        await process.wait()
+    assert record.status == "succeeded" and record.content == " ".join(f"tok{i}" for i in range(12))
+    assert record.started_at is not None and record.finished_at is not None
+    assert record.finished_at - record.started_at >= 0.5
+    deltas = [e for e in await stream_entries(cli.redis, cli.keys, job_id) if e.type == "delta"]
+    assert len(deltas) >= 6, deltas

@@ -78,7 +78,7 @@ def deployment(
     found = Deployment([f"http://127.0.0.1:{port}/v1" for port in ports])
     try:
         mock_log = directory / "mock.log"
-        mock = _spawn(["mock-upstream", "--port", str(mock_port)], env, mock_log)
+        mock = _spawn(["mock-upstream", "--port", str(mock_port), "--rate", "0"], env, mock_log)
         found.processes.append((mock, mock_log))
         _wait_http(f"http://127.0.0.1:{mock_port}/v1/models", mock, mock_log)
         for name, args in [("worker", ["worker"])] + [
