@@ -321,7 +321,7 @@ class UpstreamClient:
         def log_and_notify(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome is not None else None
             wait = gate.next_try_in()
-            logger.info(
+            logger.debug(  # the gate's down and back lines are the INFO-level story
                 "upstream %r attempt %d failed, next try in %.3fs: %s",
                 gate.name,
                 state.attempt_number,
