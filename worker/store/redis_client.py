@@ -57,7 +57,7 @@ from worker.settings import Settings
 from worker.urls import RedisUrl, parse_redis_url, redacted_url
 
 RedisClient: TypeAlias = Redis | RedisCluster
-SPARE_CONNECTIONS = 4  # idle Redis connections kept beyond what the last while needed
+SPARE_CONNECTIONS = 4  # open beyond a round's busiest moment before the idle ones are closed
 
 
 class ClusterUnavailableError(RedisConnectionError):
@@ -179,19 +179,20 @@ class ShedsIdleConnections(ConnectionPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._lent = 0
+        # lent now; a set, as redis-py also releases a connection it could not connect
+        self._lent: set[AbstractConnection] = set()
         self._busiest = 0  # the most lent at once since the last shed_idle
         self._made: weakref.WeakSet[AbstractConnection] = weakref.WeakSet()
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> AbstractConnection:
         connection: AbstractConnection = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]
         self._made.add(connection)
-        self._lent += 1
-        self._busiest = max(self._busiest, self._lent)
+        self._lent.add(connection)
+        self._busiest = max(self._busiest, len(self._lent))
         return connection
 
     async def release(self, connection: AbstractConnection) -> None:
-        self._lent -= 1
+        self._lent.discard(connection)
         await super().release(connection)
 
     @property
@@ -202,7 +203,7 @@ class ShedsIdleConnections(ConnectionPool):
         """Close the idle connections if more than ``spare`` beyond the busiest moment since
         the last call are open; how many were closed."""
         opened, needed = self.open_connections, self._busiest
-        self._busiest = self._lent
+        self._busiest = len(self._lent)
         if opened <= needed + spare:
             return 0
         await self.disconnect(inuse_connections=False)

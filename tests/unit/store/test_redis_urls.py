@@ -12,11 +12,13 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tests.helpers.servers import RedisServer, needs_redis_server
+from tests.helpers.servers import RedisServer, free_port, needs_redis_server
 from worker.errors import ConfigError
 from worker.service.runtime import startup_summary
 from worker.settings import Settings, load_settings
@@ -248,3 +250,21 @@ async def test_the_pool_closes_what_a_burst_opened_once_nothing_needs_it(
         assert pool.open_connections == SPARE_CONNECTIONS
     finally:
         await client.aclose()
+
+
+async def test_a_connection_that_failed_to_connect_is_not_counted_as_given_back() -> None:
+    """redis-py releases a connection it could not connect without having lent it: the
+    count of lent connections stays right (it went below zero, and the pool would then
+    have closed its idle connections every round)."""
+    client = redis_from_settings(
+        Settings(_env_file=None, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    )
+    assert isinstance(client, Redis)
+    client.set_retry(Retry(NoBackoff(), 0))
+    pool = client.connection_pool
+    assert isinstance(pool, ShedsIdleConnections)
+    for _ in range(3):
+        with pytest.raises(RedisConnectionError):
+            await client.ping()
+    assert pool._lent == set() and pool._busiest == 0
+    await client.aclose()
