@@ -57,8 +57,8 @@ async def run_gateway(settings: Settings) -> int:
 
 async def until_signalled() -> signal.Signals:
     """Returns on SIGINT or SIGTERM: which one came."""
-    received: asyncio.Future[signal.Signals] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()
+    received: asyncio.Future[signal.Signals] = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _first, received, sig)
     try:
