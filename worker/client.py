@@ -94,10 +94,7 @@ class Client:
     def from_url(cls, url: str, *, prefix: str | None = None) -> Client:
         """A client on a connection of its own to ``url`` (any ``CHATSTREAM_REDIS_URL`` form),
         the other settings from the environment; close it (``async with``, or ``aclose``)."""
-        updates: dict[str, Any] = {"redis_url": url}
-        if prefix is not None:
-            updates["prefix"] = prefix
-        return cls.from_settings(load_settings(**updates))  # ConfigError names a bad variable
+        return cls.from_settings(url_settings(url, prefix))
 
     async def __aenter__(self) -> Client:
         return self
@@ -541,6 +538,15 @@ def _record_fields(spec: JobSpec, request_json: str, trace: dict[str, str]) -> d
     }
 
 
+def url_settings(url: str, prefix: str | None) -> Settings:
+    """The settings of a client made ``from_url``: the environment's, with this Redis URL
+    (and prefix); a bad ``CHATSTREAM_*`` variable is a ConfigError naming it."""
+    updates: dict[str, Any] = {"redis_url": url}
+    if prefix is not None:
+        updates["prefix"] = prefix
+    return load_settings(**updates)
+
+
 class SyncClient:
     """The same calls for synchronous code, on a private event loop."""
 
@@ -548,6 +554,12 @@ class SyncClient:
         self._runner = asyncio.Runner()
         self._settings = settings or Settings()
         self._client = Client.from_settings(self._settings)
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str | None = None) -> SyncClient:
+        """As ``Client.from_url``: a connection of its own to ``url``, the other settings
+        from the environment; close it (``with``, or ``close``)."""
+        return cls(url_settings(url, prefix))
 
     def enqueue(
         self,

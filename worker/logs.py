@@ -103,8 +103,8 @@ class RedactFilter(logging.Filter):
         self._secrets = sorted({s for s in values if s}, key=len, reverse=True)
         self._pattern = _whole_credentials(self._secrets)
 
-    def redact(self, text: str) -> str:
-        return text if self._pattern is None else self._pattern.sub(MASK, text)
+    def redact(self, text: str, mask: str = MASK) -> str:
+        return text if self._pattern is None else self._pattern.sub(lambda _: mask, text)
 
     def redact_value(self, value: Any) -> Any:
         """``value`` with every string in it (nested in dicts and lists too) redacted."""
@@ -134,6 +134,13 @@ class RedactFilter(logging.Filter):
         if record.exc_text:
             record.exc_text = self.redact(record.exc_text)
         return True
+
+
+def mask_credentials(text: str, secrets: list[str], mask: str = MASK) -> str:
+    """``text`` with each secret replaced by ``mask`` where it stands whole, as the logs
+    mask them (:class:`RedactFilter`); what the worker stores of an upstream's error body
+    goes through it too, so a short key masks no part of another word there either."""
+    return RedactFilter(secrets).redact(text, mask)
 
 
 _WORD = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_")

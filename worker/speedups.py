@@ -97,8 +97,15 @@ def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop] 
 
 
 def run(main: Coroutine[Any, Any, T], settings: Settings) -> T:
-    """``asyncio.run(main)`` on the chosen event loop."""
-    with asyncio.Runner(loop_factory=loop_factory(settings)) as runner:
+    """``asyncio.run(main)`` on the chosen event loop. A choice that cannot be made (uvloop
+    forced but missing) closes ``main`` unstarted before the error leaves: the user reads
+    the one-line error, not also Python's "coroutine was never awaited" warning."""
+    try:
+        factory = loop_factory(settings)
+    except BaseException:
+        main.close()
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
 
 

@@ -55,7 +55,7 @@ def chat(text: str = "hello", **mock: Any) -> dict[str, Any]:
 
 
 MOCK = MockConfig(tokens=12)  # the mock_upstream fixture's server config
-MOCK_PROCESS = MockConfig(tokens=64)  # `chatstream mock-upstream`'s default server config
+MOCK_PROCESS = MockConfig(tokens=64)  # what `chatstream mock-upstream` sends by default
 
 
 @asynccontextmanager

@@ -58,11 +58,14 @@ def settings_env(**settings: Any) -> dict[str, str]:
 
 @asynccontextmanager
 async def mock_process(directory: Path) -> AsyncIterator[str]:
-    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU)."""
+    """``chatstream mock-upstream`` on a free port, in its own process (off our CPU),
+    unpaced (``--rate 0``: its default is a reader's pace)."""
     process = await asyncio.create_subprocess_exec(
         CHATSTREAM,
         "mock-upstream",
         "--port",
+        "0",
+        "--rate",
         "0",
         env=clean_env(),
         cwd=directory,
@@ -76,3 +79,10 @@ async def mock_process(directory: Path) -> AsyncIterator[str]:
     finally:
         process.kill()
         await process.wait()
+
+
+def footprint(pid: int) -> tuple[int, int]:
+    """A live process's resident memory (``VmRSS``, KiB) and open file descriptors."""
+    with open(f"/proc/{pid}/status") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))

@@ -16,9 +16,11 @@ from redis.asyncio import Redis
 from tests.helpers.checks import eventually, stream_entries
 from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
+from tests.helpers.processes import CHATSTREAM, clean_env
 from tests.helpers.servers import free_port
 from tests.system.test_cli import DEADLINE, Cli, read_until, run_chatstream
 from worker.cli.demo import DEMO_REPLY
+from worker.testing.mock_upstream import serve_mock
 
 pytestmark = pytest.mark.xdist_group("first-hour")
 
@@ -63,7 +65,7 @@ async def test_follow_says_the_job_waits_for_a_down_upstream(cli: Cli) -> None:
     assert data["reason"] == "upstream_down" and data["upstream"] == "default"
     assert record.error is not None and "waiting for upstream 'default'" in str(record.error)
     log = await cli.fleet.stop([process])
-    assert log.count("still down after") > len(kinds)  # many tries, few entries
+    assert log.count("upstream 'default' is down (") == 1  # many tries: one line
 
 
 async def test_follow_says_a_job_no_worker_took_is_queued(cli: Cli) -> None:
@@ -277,3 +279,98 @@ async def test_small_mistakes_are_accepted_or_said_in_one_line(cli: Cli) -> None
     dead = await cli.run("dead", timeout=DEADLINE)
     assert dead.returncode == 0
     assert dead.stdout == f"{'entry':<20} {'job':<34} code\n"  # a header, as jobs prints
+
+
+# -- issue 35: a newcomer's frictions, again -------------------------------------------------
+
+
+async def test_forcing_a_missing_uvloop_is_the_one_line_error_and_nothing_else(cli: Cli) -> None:
+    """``CHATSTREAM_EVENT_LOOP=uvloop`` where uvloop cannot be imported: exit 1 and the
+    configuration error alone (a RuntimeWarning about an unawaited coroutine followed)."""
+    blocked = "import sys; sys.modules['uvloop'] = None; from worker.cli import main; main()"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", blocked, "worker",
+        env={**cli.env, "CHATSTREAM_EVENT_LOOP": "uvloop"}, cwd=cli.cwd,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(DEADLINE):
+        out, err = await process.communicate()
+    assert (process.returncode, out) == (1, b"")
+    assert err.decode() == (
+        "chatstream: error: CHATSTREAM_EVENT_LOOP=uvloop, but uvloop is not installed "
+        "(pip install 'chatstream[fast]')\n"
+    )
+
+
+SYNC_SCRIPT = """
+from worker.client import SyncClient
+
+with SyncClient.from_url({url!r}, prefix={prefix!r}) as client:
+    job_id = client.enqueue({{"model": "m", "messages": [{{"role": "user", "content": "Hi"}}]}})
+    text = "".join(e.data.get("content", "") for e in client.events(job_id) if e.type == "delta")
+    record = client.result(job_id, timeout=60)
+    print(text)
+    print(record.status)
+"""
+
+
+async def test_sync_client_from_url_runs_as_the_readmes_client_does(cli: Cli) -> None:
+    """``SyncClient.from_url`` as ``Client.from_url``: a script under ``python -X dev``
+    (ResourceWarning an error) streams a reply from a worker process and closes cleanly."""
+    await cli.fleet.start()
+    script = cli.cwd / "sync_snippet.py"
+    script.write_text(SYNC_SCRIPT.format(url=cli.env["CHATSTREAM_REDIS_URL"], prefix=cli.prefix))
+    env = {k: v for k, v in cli.env.items() if k != "CHATSTREAM_PREFIX"}  # from the call
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-X", "dev", "-W", "error::ResourceWarning", str(script),
+        env=env, cwd=cli.cwd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    assert (process.returncode, err.decode()) == (0, "")
+    [job] = (await cli.client.jobs()).jobs
+    record = await cli.client.get(job.id)
+    assert record.content and out.decode() == f"{record.content}\nsucceeded\n"
+
+
+async def test_the_mock_upstream_command_streams_at_a_readers_pace(cli: Cli) -> None:
+    """``chatstream mock-upstream`` with no options paces its tokens (20 a second), so a
+    reply streams visibly through a worker process: 12 tokens take over half a second and
+    reach the job's stream in many entries (unpaced, they came in one or two)."""
+    process = await asyncio.create_subprocess_exec(
+        CHATSTREAM, "mock-upstream", "--port", "0", env=clean_env(), cwd=cli.cwd,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        line = await asyncio.wait_for(process.stdout.readline(), DEADLINE)
+        await cli.fleet.start(upstream_url=line.decode().rsplit(" ", 1)[-1].strip())
+        job_id = await cli.client.enqueue(chat("hi", tokens=12))
+        record = await cli.client.result(job_id, timeout=30)
+    finally:
+        process.kill()
+        await process.wait()
+    assert record.status == "succeeded" and record.content == " ".join(f"tok{i}" for i in range(12))
+    assert record.started_at is not None and record.finished_at is not None
+    assert record.finished_at - record.started_at >= 0.5
+    deltas = [e for e in await stream_entries(cli.redis, cli.keys, job_id) if e.type == "delta"]
+    assert len(deltas) >= 6, deltas
+
+
+async def test_an_upstream_outage_is_one_line_down_and_one_line_back(cli: Cli) -> None:
+    """Three jobs wait through a few seconds of refused connections (a hundred probes at
+    the fleet's 10-50 ms backoff): the worker writes the outage's two state changes, each
+    naming the upstream once, and counts the jobs that waited (there was a WARNING and an
+    INFO line per probe, '0 jobs waiting' while one waited, and the name twice)."""
+    port = free_port()
+    [process] = await cli.fleet.start(upstream_url=f"http://127.0.0.1:{port}/v1")
+    ids = [await cli.client.enqueue(chat("x", tokens=3)) for _ in range(3)]
+    await asyncio.sleep(3)
+    async with serve_mock(host="127.0.0.1", port=port, tokens=3):
+        records = [await cli.client.result(job_id, timeout=30) for job_id in ids]
+    assert [record.status for record in records] == ["succeeded"] * 3
+    log = await cli.fleet.stop([process])
+    down, back = [line for line in log.splitlines() if " chatstream.upstream: " in line]
+    assert f"upstream 'default' is down (connection refused by 127.0.0.1:{port}" in down
+    assert down.count("'default'") == 1 and "WARNING" in down
+    assert "upstream 'default' is back after " in back and " (3 jobs waited for it)" in back

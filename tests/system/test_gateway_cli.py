@@ -15,7 +15,7 @@ from tests.helpers.fleet import Fleet
 from tests.helpers.gateway_env import KEY
 from tests.helpers.harness import MOCK, chat
 from tests.helpers.processes import CHATSTREAM, clean_env
-from tests.helpers.servers import free_port
+from tests.helpers.servers import RedisServer, free_port, needs_redis_server
 from worker.cli.demo import DEMO_REPLY
 from worker.testing.mock_upstream import expected_reply
 
@@ -72,11 +72,11 @@ async def test_the_gateway_command_serves_until_sigterm(fleet: Fleet, tmp_path: 
     assert "Traceback" not in log and KEY not in log
 
 
-async def test_the_demo_streams_through_the_gateway_and_serves_the_page(
-    tmp_path: Path,
-) -> None:
-    port = free_port()
-    env = {**clean_env(), "CHATSTREAM_GATEWAY_PORT": str(port)}
+async def gateway_demo(
+    tmp_path: Path, port: int, **env: str
+) -> tuple[asyncio.subprocess.Process, list[str]]:
+    """``chatstream demo --gateway`` until it serves the page: the process, its lines."""
+    env = {**clean_env(), "CHATSTREAM_GATEWAY_PORT": str(port), **env}
     process = await asyncio.create_subprocess_exec(
         CHATSTREAM, "demo", "--gateway", "--rate", "200", env=env, cwd=tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -88,6 +88,15 @@ async def test_the_demo_streams_through_the_gateway_and_serves_the_page(
             line = (await process.stdout.readline()).decode()
             assert line, "the demo ended early"
             lines.append(line)
+    return process, lines
+
+
+async def test_the_demo_streams_through_the_gateway_and_serves_the_page(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    process, lines = await gateway_demo(tmp_path, port)
+    assert process.stderr is not None
     page_url = lines[-1].split()[1]
     key = page_url.split("#key=")[1].split("&")[0]
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
@@ -110,6 +119,20 @@ async def test_the_demo_streams_through_the_gateway_and_serves_the_page(
     assert "\n[done]\n" in out
     assert page.status_code == 200 and "<title>chatstream</title>" in page.text
     assert completion.status_code == 200
+    assert "Traceback" not in err
+
+
+async def test_ctrl_c_stops_the_gateway_demo_with_the_interrupted_status(
+    redis_server: RedisServer | None, tmp_path: Path
+) -> None:
+    """130, as every interrupted command (docs/operations.md); it was 0. On a real Redis."""
+    url = needs_redis_server(redis_server).url
+    process, _ = await gateway_demo(tmp_path, free_port(), CHATSTREAM_REDIS_URL=url)
+    assert process.stderr is not None
+    process.send_signal(signal.SIGINT)
+    async with asyncio.timeout(15):
+        err = (await process.stderr.read()).decode()
+        assert await process.wait() == 130, err
     assert "Traceback" not in err
 
 

@@ -78,7 +78,7 @@ def deployment(
     found = Deployment([f"http://127.0.0.1:{port}/v1" for port in ports])
     try:
         mock_log = directory / "mock.log"
-        mock = _spawn(["mock-upstream", "--port", str(mock_port)], env, mock_log)
+        mock = _spawn(["mock-upstream", "--port", str(mock_port), "--rate", "0"], env, mock_log)
         found.processes.append((mock, mock_log))
         _wait_http(f"http://127.0.0.1:{mock_port}/v1/models", mock, mock_log)
         for name, args in [("worker", ["worker"])] + [
@@ -329,6 +329,9 @@ async def test_function_tools_round_trip(deployment: Deployment, flavour: str) -
     # (entries are coalesced: how many deltas depends on timing, never their sum)
     assert "".join(streamed) == done.arguments == "".join(ARGS) == call.arguments
     assert (call.type, call.call_id, call.name) == ("function_call", "call_a", "lookup")
+    # the item as added already names its function (the Agents SDK reads it there)
+    [added] = [e.item for e in parsed if e.type == "response.output_item.added"]
+    assert (added.type, added.name, added.arguments) == ("function_call", "lookup", "")
     # the next turn passes the call and its output back, as the SDK's docs do
     answer = await sdk.call(
         "create", model="mock-model", tools=TOOLS, extra_body={"mock": {"tokens": 2}},

@@ -3,13 +3,15 @@
 The gateway serves on ``CHATSTREAM_GATEWAY_HOST:CHATSTREAM_GATEWAY_PORT`` with a fresh
 random API key (added to any configured ones). The demo posts the request as an OpenAI
 client would (``stream: true``), drops the connection after a few events, resumes with
-``Last-Event-ID``, and then serves the page until SIGINT / SIGTERM.
+``Last-Event-ID``, and then serves the page until SIGINT (exit status 130, as every
+interrupted command) or SIGTERM (0, or 3 when the reply did not finish).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import signal
 import sys
 from contextlib import AsyncExitStack
 
@@ -40,7 +42,8 @@ async def through_gateway(
         print(f"\n[connection dropped after {CUT_AFTER_EVENTS} events; resuming]", flush=True)
         finished = await _rest(http, job_id, last_id)
     print(f"\nopen {url}/#key={key}&model=mock-demo in a browser; Ctrl-C stops", flush=True)
-    await until_signalled()
+    if await until_signalled() == signal.SIGINT:
+        return 130
     return 0 if finished else 3
 
 

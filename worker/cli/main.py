@@ -44,6 +44,7 @@ from worker.urls import redacted_url
 Command = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 log = logging.getLogger("chatstream.cli")
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
+MOCK_RATE = 20.0  # `mock-upstream`'s default tokens per second: a reply streams visibly
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -466,10 +467,15 @@ def _add_mock_and_demo(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rate", type=float, default=0.0, help="tokens per second (0: unpaced)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=MOCK_RATE,
+        help=f"tokens per second (default {MOCK_RATE:g}, a reader's pace; 0: as fast as it can)",
+    )
     p.add_argument("--tool-calls", type=int, default=0, help="parallel tool calls per reply")
     p.add_argument("--reasoning", type=int, default=0, help="reasoning fragments per reply")
-    p.add_argument("--fault", help="inject a fault: http_NNN, midstream_error, truncate, ...")
+    p.add_argument("--fault", help="inject a fault: http_NNN, sse_NNN, midstream_error, ...")
     p.add_argument("--fault-after", type=int, default=3, help="tokens before a mid-stream fault")
     p.add_argument("--keepalive-every", type=int, default=0, help="': keep-alive' every N chunks")
     p.add_argument(

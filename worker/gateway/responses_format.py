@@ -274,7 +274,7 @@ class FunctionCallItem(Item):
         super().__init__(index, job_id)
         call_id = fragment.get("id")
         self.call_id = call_id if isinstance(call_id, str) and call_id else f"call_{self.id}"
-        self.name = ""
+        self.name = _function_name(fragment)  # in output_item.added, as OpenAI sends it
         self.arguments = ""
 
     def view(self) -> dict[str, Any]:
@@ -289,10 +289,8 @@ class FunctionCallItem(Item):
 
     def write(self, fragment: dict[str, Any]) -> list[Event]:
         function = fragment.get("function")
-        function = function if isinstance(function, dict) else {}
-        name, arguments = function.get("name"), function.get("arguments")
-        if not self.name and isinstance(name, str):
-            self.name = name  # the first non-empty name counts, as in the record
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        self.name = self.name or _function_name(fragment)  # the first non-empty one counts
         if not isinstance(arguments, str) or not arguments:
             return []
         self.arguments += arguments
@@ -302,6 +300,12 @@ class FunctionCallItem(Item):
     def finish(self) -> list[Event]:
         done = {"item_id": self.id, "output_index": self.index, "arguments": self.arguments}
         return [event("response.function_call_arguments.done", **done)]
+
+
+def _function_name(fragment: dict[str, Any]) -> str:
+    function = fragment.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else ""
 
 
 # -- the fold -----------------------------------------------------------------------------------

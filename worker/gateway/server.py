@@ -55,17 +55,22 @@ async def run_gateway(settings: Settings) -> int:
     return 0
 
 
-async def until_signalled() -> None:
-    """Returns on SIGINT or SIGTERM."""
-    stop = asyncio.Event()
+async def until_signalled() -> signal.Signals:
+    """Returns on SIGINT or SIGTERM: which one came."""
     loop = asyncio.get_running_loop()
+    received: asyncio.Future[signal.Signals] = loop.create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _first, received, sig)
     try:
-        await stop.wait()
+        return await received
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _first(received: asyncio.Future[signal.Signals], sig: signal.Signals) -> None:
+    if not received.done():
+        received.set_result(sig)
 
 
 @contextlib.asynccontextmanager

@@ -3,7 +3,7 @@
 Pure and on the hot path: :meth:`Accumulator.fold_all` takes the data fields of one
 upstream read as raw bytes (``SSEDecoder.feed_data``), :meth:`Accumulator.take_delta`
 returns what they added as one :class:`Delta` to publish, :meth:`Accumulator.finish` the
-final message. Chunks are the plain dicts ``pydantic_core.from_json`` returns.
+final message. Chunks are the plain dicts ``pydantic_core.from_json`` returns (``parse_json``).
 
 The accumulator reads; ``worker/protocol/message.py`` merges. It validates each chunk and routes
 its fields to the :class:`~worker.message.Message` of their choice, which holds every
@@ -42,12 +42,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from pydantic_core import from_json
-
 from schemas.jobs import EXTRAS
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError, snippet
 from worker.protocol.message import CONCAT, Delta, Message, ReasoningEntry, joins, pair_surrogates
-from worker.protocol.template import ChunkTemplate, Path, is_clean, learn
+from worker.protocol.template import ChunkTemplate, Path, is_clean, learn, parse_json
 
 __all__ = ["Accumulator", "Delta", "FinalMessage"]
 
@@ -86,12 +84,21 @@ class FinalMessage:
             return None
         error = self.error or {}
         message = error.get("message")
-        code = error.get("code")
         return MidStreamError(
             message if isinstance(message, str) and message else "upstream mid-stream error",
-            status=code if type(code) is int else None,
+            status=status_of(error.get("code")),
             detail=error,
         )
+
+
+def status_of(code: Any) -> int | None:
+    """An error object's ``code`` as an HTTP status: a number, or a string of three digits
+    (LiteLLM and others send ``"503"``); None for a name (``"rate_limit_exceeded"``)."""
+    if type(code) is int:
+        return code
+    if isinstance(code, str) and len(code) == 3 and code.isascii() and code.isdigit():
+        return int(code)
+    return None
 
 
 # --- reading chunks -----------------------------------------------------------------------
@@ -307,7 +314,7 @@ class Accumulator:
             self._close()
             return _SKIP
         try:
-            return from_json(data)
+            return parse_json(data)
         except (ValueError, RecursionError):
             pass
         text = data.decode("utf-8", "replace")  # invalid UTF-8: U+FFFD, as in SSE events

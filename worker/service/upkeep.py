@@ -7,8 +7,8 @@ Three tasks run beside the consumer for as long as the worker does:
   at once, up to the free capacity (the consumer takes over the rest first on its next read);
 - maintenance (every third of a lease) renews the leases of the entries this worker runs,
   adopts entries delivered to it but never seen, prunes the group's consumers of workers
-  long gone, polls cancel flags (a fallback for the pub/sub message) and refreshes the queue
-  gauges;
+  long gone, polls cancel flags (a fallback for the pub/sub message), refreshes the queue
+  gauges and closes the Redis connections a burst opened and nothing needed since;
 - the cancel listener subscribes to the cancel channel and cancels the jobs it names.
 
 None of them may stop on an error: a failed round is logged and tried again.
@@ -32,7 +32,7 @@ from worker.store.keys import Keys
 from worker.store.liveness import Liveness
 from worker.store.queue import Entry, Queue
 from worker.store.records import Records, as_text
-from worker.store.redis_client import RedisClient
+from worker.store.redis_client import RedisClient, shed_idle_connections
 from worker.store.scheduler import config_fields
 
 log = logging.getLogger("chatstream.worker")
@@ -149,6 +149,8 @@ class Upkeep:
         if self.host.serves_metrics:  # queue gauges, served from memory
             targets = self.host.settings.route_targets()
             await self.host.metrics.refresh_queue(self.host.redis, self.host.keys, targets)
+        if closed := await shed_idle_connections(self.host.redis):
+            log.debug("closed %d idle Redis connections", closed)
 
     async def renew_leases(self) -> None:
         running = self.host.running

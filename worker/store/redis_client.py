@@ -22,12 +22,19 @@ backoff of ``worker.retry``, the socket timeout above the longest blocking read.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Iterable
 from typing import Any, TypeAlias, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, parse_url
+from redis.asyncio.connection import (
+    AbstractConnection,
+    Connection,
+    ConnectionPool,
+    SSLConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import (
     MasterNotFoundError,
@@ -50,6 +57,7 @@ from worker.settings import Settings
 from worker.urls import RedisUrl, parse_redis_url, redacted_url
 
 RedisClient: TypeAlias = Redis | RedisCluster
+SPARE_CONNECTIONS = 4  # open beyond a round's busiest moment before the idle ones are closed
 
 
 class ClusterUnavailableError(RedisConnectionError):
@@ -158,6 +166,61 @@ def guarded(connection_class: type[AbstractConnection]) -> type[AbstractConnecti
     return mixed_in(ClosedTransportGuard, connection_class, "Guarded")
 
 
+class ShedsIdleConnections(ConnectionPool):
+    """A pool that gives back what a burst opened: :meth:`shed_idle` closes the idle
+    connections when more are open than the busiest moment since its last call needed.
+
+    redis-py's pools keep every connection they ever opened (up to ``max_connections``):
+    one burst of job starts (a read of hundreds of entries, a takeover) left a worker with
+    128 open connections to Redis for the rest of its life (docs/decisions.md, 75). This
+    counts the connections lent (``get_connection`` / ``release``) and closes the idle ones
+    with the public ``disconnect(inuse_connections=False)``; a closed connection stays in
+    the pool and connects again when it is next used."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # lent now; a set, as redis-py also releases a connection it could not connect
+        self._lent: set[AbstractConnection] = set()
+        self._busiest = 0  # the most lent at once since the last shed_idle
+        self._made: weakref.WeakSet[AbstractConnection] = weakref.WeakSet()
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> AbstractConnection:
+        connection: AbstractConnection = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]
+        self._made.add(connection)
+        self._lent.add(connection)
+        self._busiest = max(self._busiest, len(self._lent))
+        return connection
+
+    async def release(self, connection: AbstractConnection) -> None:
+        self._lent.discard(connection)
+        await super().release(connection)
+
+    @property
+    def open_connections(self) -> int:
+        return sum(1 for connection in self._made if connection.is_connected)
+
+    async def shed_idle(self, spare: int = SPARE_CONNECTIONS) -> int:
+        """Close the idle connections if more than ``spare`` beyond the busiest moment since
+        the last call are open; how many were closed."""
+        opened, needed = self.open_connections, self._busiest
+        self._busiest = len(self._lent)
+        if opened <= needed + spare:
+            return 0
+        await self.disconnect(inuse_connections=False)
+        return opened - self.open_connections
+
+
+class SheddingPool(ShedsIdleConnections, BlockingConnectionPool):
+    """The one-server pool: waits for a free connection, sheds idle ones."""
+
+
+async def shed_idle_connections(redis: RedisClient) -> int:
+    """``ShedsIdleConnections.shed_idle`` on the client's pool (0 for a cluster client:
+    its nodes' pools are redis-py's own)."""
+    pool = getattr(redis, "connection_pool", None)
+    return await pool.shed_idle() if isinstance(pool, ShedsIdleConnections) else 0
+
+
 # a job step waits this long for a free pooled connection before it counts as a Redis error
 POOL_WAIT_SECONDS = 30
 REDIS_RETRIES = 10
@@ -194,7 +257,7 @@ def redis_from_settings(settings: Settings) -> RedisClient:
         return cluster_client(parsed, settings)
     if parsed.kind == "sentinel":
         return sentinel_client(parsed, settings)
-    pool = BlockingConnectionPool.from_url(
+    pool = SheddingPool.from_url(
         parsed.url,
         connection_class=guarded(parse_url(parsed.url).get("connection_class", Connection)),
         max_connections=settings.redis_max_connections,
@@ -224,8 +287,9 @@ def cluster_client(parsed: RedisUrl, settings: Settings) -> Cluster:
     return cluster
 
 
-class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
-    """The Sentinel-managed pool, waiting for a free connection like the one-server pool."""
+class BlockingSentinelPool(ShedsIdleConnections, SentinelConnectionPool, BlockingConnectionPool):
+    """The Sentinel-managed pool, waiting for a free connection and shedding idle ones like
+    the one-server pool."""
 
 
 class SentinelMaster(Redis):

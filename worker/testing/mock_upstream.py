@@ -24,6 +24,8 @@ server defaults. ``max_tokens`` below ``tokens`` cuts the reply with ``finish_re
 "length"``. Faults (``"fault"``), at ``fault_after`` tokens where they happen mid-stream:
 
     http_NNN            that HTTP status with an OpenAI-style JSON error (429: Retry-After)
+    sse_NNN             the same error sent as LiteLLM streams it: that status, content-type
+                        text/event-stream, ``data: {"error": {..., "code": "NNN"}}``
     midstream_error     an error chunk (top-level ``error``, finish_reason "error"), no [DONE];
                         its ``code`` is ``error_status`` (502 by default, a server_error)
     truncate            the body ends cleanly with neither finish_reason nor [DONE]
@@ -138,7 +140,7 @@ CONTEXT_LENGTH_ERROR = {  # OpenAI's answer to a prompt longer than the model's 
         "code": "context_length_exceeded",
     }
 }
-_HTTP_FAULT = re.compile(r"http_([45]\d\d)")
+_HTTP_FAULT = re.compile(r"(http|sse)_([45]\d\d)")
 _REASONING_DEFAULT = 8  # fragments sent for "reasoning": true
 _ARG_FRAGMENT = 8  # characters per tool-call arguments fragment
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -615,12 +617,20 @@ async def _send_bytes(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _send_http_fault(send: Send, status: int, options: MockConfig) -> None:
+async def _send_http_fault(
+    send: Send, status: int, options: MockConfig, *, as_sse: bool = False
+) -> None:
     headers = []
     if status == 429:
         headers.append((b"retry-after", f"{options.retry_after:g}".encode()))
     kind = _error_kind(status)
-    await _send_json(send, status, _error_body(status, f"mock: HTTP {status}", kind), headers)
+    body = _error_body(status, f"mock: HTTP {status}", kind)
+    if not as_sse:
+        await _send_json(send, status, body, headers)
+        return
+    body["error"]["code"] = str(status)  # as LiteLLM sends it
+    data = b"data: " + _dumps(body).encode() + b"\n\n"
+    await _send_bytes(send, status, b"text/event-stream", data, headers)
 
 
 async def _read_body(receive: Receive) -> bytes | None:
@@ -834,7 +844,8 @@ class MockUpstream:
             await asyncio.sleep(delay)
         http_fault = _HTTP_FAULT.fullmatch(fault or "")
         if http_fault:
-            await _send_http_fault(send, int(http_fault.group(1)), options)
+            as_sse = http_fault.group(1) == "sse"
+            await _send_http_fault(send, int(http_fault.group(2)), options, as_sse=as_sse)
         elif fault == "json_200":
             body = _error_body(500, "mock: error in a 200 response", "server_error")
             await _send_json(send, 200, body)

@@ -6,6 +6,7 @@
 ``transport``   the httpx transport under it: httptools (llhttp) on asyncio protocols
 ``gate``        an upstream's health: while it is down, one probe at a time
 ``idle``        the idle timeout mid-stream, counted in complete SSE blocks, not bytes
+``error_body``  an error body (JSON, or SSE as LiteLLM sends it) as its error object
 =============== ======================================================================
 """
 

@@ -18,7 +18,6 @@ because output may already have been published.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import socket
@@ -53,13 +52,13 @@ from worker.errors import (
     TerminalUpstreamError,
     UpstreamTimeoutError,
     retryable,
-    snippet,
 )
-from worker.logs import RedactFilter, secrets_of
+from worker.logs import RedactFilter, mask_credentials, secrets_of
 from worker.settings import Settings, Upstream
 from worker.speedups import chosen_transport
 from worker.telemetry import inject_upstream
 from worker.upstream import BODY_EXTENSION
+from worker.upstream.error_body import error_detail
 from worker.upstream.gate import IdleSlot, UpstreamGate, keep_slot
 from worker.upstream.verdict import Grain
 
@@ -381,7 +380,7 @@ class UpstreamClient:
         def log_and_notify(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome is not None else None
             wait = max(gate.next_try_in() for gate in gates)
-            logger.info(
+            logger.debug(  # the gates' down and back lines are the INFO-level story
                 "upstream %r attempt %d failed, next try in %.3fs: %s",
                 gates[0].name,
                 state.attempt_number,
@@ -602,19 +601,11 @@ async def _check_response(name: str, target: Upstream, response: httpx.Response)
 
 
 async def _error_detail(response: httpx.Response, target: Upstream) -> Any:
-    """The upstream's error object (JSON ``error`` member or whole JSON), else a snippet."""
+    """The upstream's error object (``worker.upstream.error_body``), its key masked."""
     text = (await _read_capped(response)).decode("utf-8", "replace")
     if target.api_key is not None and (key := target.api_key.get_secret_value()):
-        text = text.replace(key, REDACTED)
-    if not text:
-        return None
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return snippet(text)
-    if isinstance(parsed, dict) and "error" in parsed:
-        return parsed["error"]
-    return parsed
+        text = mask_credentials(text, [key], REDACTED)
+    return error_detail(text, response.headers.get("content-type", ""))
 
 
 async def _read_capped(response: httpx.Response, limit: int = MAX_ERROR_BODY) -> bytes:

@@ -118,18 +118,18 @@ class UpstreamGate:
             if _grain_of(exc) is grain:
                 self._failed(exc, probe)
             elif grain is Grain.UPSTREAM:
-                self._up()
+                self._up(probe)
             elif probe:
                 self._probe_done()
             raise
         except ChatstreamError:  # any other upstream answer: it is up
-            self._up()
+            self._up(probe)
             raise
         except BaseException:  # cancelled, or a bug: no verdict on the upstream
             if probe:
                 self._probe_done()
             raise
-        self._up()
+        self._up(probe)
 
     def failed(self, exc: RetryableUpstreamError) -> None:
         """A failure seen after the try was let through (an error chunk after the 200)."""
@@ -176,22 +176,22 @@ class UpstreamGate:
             self.down_since, self.failures = now, 1
             self._next_try = now + self._pause(exc)
             log.warning(
-                "%s is down: %s; jobs bound for it wait, next try in %.1fs",
+                "%s is down (%s): jobs bound for it wait; next try in %.1fs",
                 self.label,
-                exc,
+                _reason(exc, self.name),
                 self._next_try - now,
             )
         elif probe:
             self.failures += 1
             self._next_try = now + self._pause(exc)
-            log.warning(
-                "%s still down after %.0fs (try %d): %s; %d jobs waiting, next try in %.1fs",
+            log.debug(  # no state change: the down and back lines say what operators need
+                "%s still down after %.0fs (try %d: %s); next try in %.1fs, %d more jobs waiting",
                 self.label,
                 now - (self.down_since or now),
                 self.failures,
-                exc,
-                self.waiting,
+                _reason(exc, self.name),
                 self._next_try - now,
+                self.waiting,
             )
         elif exc.retry_after is not None:  # a late answer of a call made while it was up
             self._next_try = max(self._next_try, now + self._pause(exc))
@@ -203,13 +203,15 @@ class UpstreamGate:
             return min(exc.retry_after, self._retry_after_cap)
         return pause(self._backoff, self.failures)
 
-    def _up(self) -> None:
+    def _up(self, probe: bool) -> None:
         if self.down_since is not None:
+            waited = self.waiting + probe  # the probe's own job waited too
             log.warning(
-                "%s is back after %.1fs; %d waiting jobs resume",
+                "%s is back after %.1fs (%d job%s waited for it)",
                 self.label,
                 monotonic() - self.down_since,
-                self.waiting,
+                waited,
+                "" if waited == 1 else "s",
             )
         self.down_since, self.failures, self._probing = None, 0, False
         self._notify()
@@ -226,3 +228,12 @@ class UpstreamGate:
 
 def _grain_of(exc: RetryableUpstreamError) -> Grain:
     return Grain.UPSTREAM if exc.unreachable else Grain.TARGET
+
+
+def _reason(exc: BaseException, name: str) -> str:
+    """The failure without the upstream's name, which the log line gives already."""
+    text = str(exc)
+    for prefix in (f"upstream {name!r}: ", f"upstream {name!r} "):
+        if text.startswith(prefix):
+            return text.removeprefix(prefix)
+    return text

@@ -345,6 +345,7 @@ class HttptoolsTransport(httpx.AsyncBaseTransport):
         self._ssl = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
         self._ssl.set_alpn_protocols(["http/1.1"])
         self._idle: list[_Connection] = []  # most recently used last
+        self._expiring: asyncio.TimerHandle | None = None  # closes idle ones past the expiry
         self._sweeper = _Sweeper()
         self._closed = False
 
@@ -377,6 +378,9 @@ class HttptoolsTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         self._closed = True
         self._sweeper.close()
+        if self._expiring is not None:
+            self._expiring.cancel()
+            self._expiring = None
         for connection in self._idle:
             connection.close()
         self._idle.clear()
@@ -395,6 +399,7 @@ class HttptoolsTransport(httpx.AsyncBaseTransport):
 
     async def _connection(self, key: Key, timeout: float | None) -> _Connection:
         now = asyncio.get_running_loop().time()
+        self._close_expired(now)
         for index in range(len(self._idle) - 1, -1, -1):
             connection = self._idle[index]
             if connection.key != key:
@@ -417,8 +422,26 @@ class HttptoolsTransport(httpx.AsyncBaseTransport):
             self._idle.append(connection)
             if self._max_idle is not None and len(self._idle) > self._max_idle:
                 self._idle.pop(0).close()
+            self._close_expired(connection.idle_since)
         else:
             connection.close()
+
+    def _close_expired(self, now: float) -> None:
+        """Close the idle connections past the expiry (or closed by the server), oldest
+        first; while some are idle, one timer comes back when the oldest expires. Without
+        it a server that keeps connections open longer than our expiry left a burst's
+        connections open (up to ``max_keepalive_connections``) until they were reused."""
+        idle = self._idle
+        while idle and not idle[0].reusable(now, self._expiry):
+            idle.pop(0).close()
+        if idle and self._expiry is not None and self._expiring is None and not self._closed:
+            loop = idle[0].loop
+            self._expiring = loop.call_at(idle[0].idle_since + self._expiry, self._expire)
+
+    def _expire(self) -> None:
+        self._expiring = None
+        if self._idle:
+            self._close_expired(self._idle[0].loop.time())
 
 
 class _Body(httpx.AsyncByteStream):

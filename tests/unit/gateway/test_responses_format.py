@@ -113,6 +113,11 @@ def test_reasoning_refusal_text_and_calls_are_items_in_the_order_they_came() -> 
     assert [e["arguments"] for e in done] == ['{"q":1}', "{}"]
     deltas = [e["delta"] for e in events if e["type"].endswith("arguments.delta")]
     assert deltas == ['{"q":', "{}", "1}"]
+    # each call's item is added with the name its first fragment carried
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [(i["call_id"], i["name"]) for i in added if i["type"] == "function_call"] == [
+        ("call_1", "lookup"), ("call_2", "other")
+    ]  # fmt: skip
 
 
 def test_a_call_without_an_id_gets_one_that_stays_the_same() -> None:

@@ -929,6 +929,19 @@ def test_closed_truncated_and_exception() -> None:
     assert fold(acc, DONE) == 0 and acc.finish().end == "error"
 
 
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [(503, 503), ("503", 503), ("429", 429), ("rate_limit_exceeded", None),
+     ("\uff15\uff10\uff13", None), ("5030", None), (True, None), (None, None)],
+)  # fmt: skip
+def test_a_mid_stream_errors_code_gives_its_status_when_it_is_one(code: Any, status: Any) -> None:
+    """LiteLLM sends ``"code": "503"``: a string of three ASCII digits is a status too."""
+    acc = Accumulator()
+    fold(acc, chunk({}, "error", error={"code": code, "message": "down"}))
+    exc = acc.finish().exception()
+    assert isinstance(exc, MidStreamError) and exc.status == status
+
+
 def test_n_choices_end_when_every_choice_has_finished() -> None:
     acc = Accumulator()
     fold(acc, chunk({"content": "a"}, "stop"), chunk({"content": "b"}, index=1))

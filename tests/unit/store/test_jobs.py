@@ -154,6 +154,9 @@ def test_sync_client_offers_every_client_call() -> None:
         if name != "events":  # the sync iterator has no block_ms
             assert sync_calls[name] == parameters, name
     assert sync_calls["events"] == async_calls["events"][:-1]
+    # and made alike from a URL (README): SyncClient.from_url as Client.from_url
+    made = [inspect.signature(cls.from_url).parameters for cls in (Client, SyncClient)]
+    assert list(made[0]) == list(made[1]) == ["url", "prefix"]
 
 
 def _sync_finding(harness: Harness, failed_id: str) -> Any:

@@ -12,16 +12,25 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tests.helpers.servers import RedisServer, needs_redis_server
+from tests.helpers.servers import RedisServer, free_port, needs_redis_server
 from worker.errors import ConfigError
 from worker.service.runtime import startup_summary
 from worker.settings import Settings, load_settings
 from worker.store.keys import Keys
-from worker.store.redis_client import guarded, redis_from_settings, slot_of
+from worker.store.redis_client import (
+    SPARE_CONNECTIONS,
+    BlockingSentinelPool,
+    ShedsIdleConnections,
+    guarded,
+    redis_from_settings,
+    slot_of,
+)
 from worker.urls import parse_redis_url
 
 
@@ -207,3 +216,55 @@ def test_the_guard_turns_the_transports_own_error_into_a_connection_error(
     assert isinstance(raised, RedisConnectionError), repr(raised)
     assert "closed under a write (RuntimeError)" in str(raised)
     assert isinstance(raised.__cause__, RuntimeError)
+
+
+async def test_the_pool_closes_what_a_burst_opened_once_nothing_needs_it(
+    redis_server: RedisServer | None,
+) -> None:
+    """A burst of 40 commands at once opens 40 connections; a shed after a quiet while
+    closes the idle ones (the pub/sub connection, lent meanwhile, stays open and works), the
+    next commands connect again, and up to SPARE_CONNECTIONS idle ones are kept."""
+    server = needs_redis_server(redis_server)
+    client = redis_from_settings(Settings(_env_file=None, redis_url=server.url))
+    assert isinstance(client, Redis)
+    pool = client.connection_pool
+    assert isinstance(pool, ShedsIdleConnections)
+    assert issubclass(BlockingSentinelPool, ShedsIdleConnections)
+
+    async def burst(n: int) -> None:
+        await asyncio.gather(*[client.blpop(["nothing"], timeout=0.1) for _ in range(n)])
+
+    try:
+        await burst(40)
+        assert pool.open_connections == 40
+        async with client.pubsub() as pubsub:
+            await pubsub.subscribe("a-channel")
+            assert await pool.shed_idle() == 0  # the busiest moment since the start needed 40
+            assert await pool.shed_idle() == 39  # nothing needed them since
+            assert pool.open_connections == 1  # the subscription's, lent all along
+            await client.publish("a-channel", "still here")
+            messages = [await pubsub.get_message(timeout=2) for _ in range(2)]
+            assert [m["data"] for m in messages if m] == [1, "still here"]  # subscribed, then it
+        await burst(SPARE_CONNECTIONS)
+        assert [await pool.shed_idle() for _ in range(2)] == [0, 0]
+        assert pool.open_connections == SPARE_CONNECTIONS
+    finally:
+        await client.aclose()
+
+
+async def test_a_connection_that_failed_to_connect_is_not_counted_as_given_back() -> None:
+    """redis-py releases a connection it could not connect without having lent it: the
+    count of lent connections stays right (it went below zero, and the pool would then
+    have closed its idle connections every round)."""
+    client = redis_from_settings(
+        Settings(_env_file=None, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    )
+    assert isinstance(client, Redis)
+    client.set_retry(Retry(NoBackoff(), 0))
+    pool = client.connection_pool
+    assert isinstance(pool, ShedsIdleConnections)
+    for _ in range(3):
+        with pytest.raises(RedisConnectionError):
+            await client.ping()
+    assert pool._lent == set() and pool._busiest == 0
+    await client.aclose()

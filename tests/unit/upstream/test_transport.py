@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.checks import eventually
 from tests.helpers.tls import make_certs
 from worker.aio import URGENT, socket_of
 from worker.errors import ConfigError, RetryableUpstreamError, UpstreamTimeoutError
@@ -251,6 +252,31 @@ async def test_connection_close_or_a_server_gone_idle_means_a_new_connection() -
             assert (await client.get(url)).content == b"ok"
             await asyncio.sleep(0.05)  # the close has arrived before the next request
     assert len(connections) == 3
+
+
+async def test_a_bursts_idle_connections_close_at_the_expiry_though_the_server_keeps_them() -> None:
+    """The server never closes an idle connection (as providers keep them for minutes):
+    the connections a burst opened are closed by us once idle for the expiry, without a
+    request coming to find them (before, they stayed open until reused)."""
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def slow_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.add(writer)
+        await asyncio.sleep(0.05)  # the burst's requests overlap: one connection each
+        await sse_once(reader, writer)
+
+    async def closed_by_us() -> bool:  # the server closes its side once it reads our EOF
+        return all(writer.is_closing() for writer in writers)
+
+    async with server(slow_once) as url, http(keepalive_expiry=0.3) as client:
+        responses = await asyncio.gather(*[client.post(url, json=BODY) for _ in range(8)])
+        assert [r.content for r in responses] == [EVENT + DONE] * 8
+        assert len(writers) == 8
+        await asyncio.sleep(0.1)
+        assert not await closed_by_us()  # idle, not yet expired: kept for reuse
+        await eventually(closed_by_us, timeout=2)
+        assert (await client.post(url, json=BODY)).content == EVENT + DONE
+        assert len(writers) == 9
 
 
 async def test_a_stream_left_early_closes_its_connection_and_frees_its_slot() -> None:

@@ -393,19 +393,23 @@ async def test_empty_body_before_first_byte_is_retried(sleeps: list[float]) -> N
 async def test_retries_are_logged_without_secrets(
     sleeps: list[float], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The job's retry at INFO; the upstream going down and coming back at WARNING."""
+    """The upstream going down and coming back at WARNING, once each, the name said once;
+    the job's retry at DEBUG only."""
     fake = Upstream(error(502, {"error": {"message": f"bad key {KEY}"}}), sse(*EVENTS))
-    with caplog.at_level(logging.INFO, logger="chatstream.upstream"):
+    with caplog.at_level(logging.DEBUG, logger="chatstream.upstream"):
         async with client_for(fake) as client:
             await collect(client)
     down, retry, back = caplog.records
     assert {r.name for r in caplog.records} == {"chatstream.upstream"}
-    assert (down.levelno, retry.levelno, back.levelno) == (logging.WARNING, logging.INFO, 30)
-    assert "upstream 'default' model 'm' is down" in down.getMessage()
-    assert "502" in down.getMessage()
+    assert (down.levelno, retry.levelno, back.levelno) == (logging.WARNING, logging.DEBUG, 30)
+    assert down.getMessage().startswith(
+        "upstream 'default' model 'm' is down (returned HTTP 502): "
+    )
+    assert down.getMessage().count("'default'") == 1
     message = retry.getMessage()
     assert "'default'" in message and "attempt 1" in message and "502" in message
-    assert "upstream 'default' model 'm' is back" in back.getMessage()
+    assert back.getMessage().startswith("upstream 'default' model 'm' is back after ")
+    assert back.getMessage().endswith(" (1 job waited for it)")
     assert KEY not in caplog.text
 
 
