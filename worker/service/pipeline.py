@@ -83,6 +83,7 @@ class Attempt:
     idle: IdleSlot = keep_slot  # entered while waiting for a down upstream (frees the slot)
     replicated: bool = True  # its terminal write reached the replicas it waits for
     limits: AttemptLimits | None = None  # its upstream's fleet-wide limits, if it has any
+    tenant: str = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +277,15 @@ async def write_terminal(
         return Outcome.STALE
     status = terminal.fields["status"]
     services.metrics.job_finished(status, job.timing)
+    error_data = terminal.event_data.get("error")
+    services.metrics.job_ended(
+        status,
+        job.timing,
+        tenant=job.tenant,
+        upstream=job.upstream,
+        usage=final.usage if final is not None else None,
+        code=error_data.get("code") if isinstance(error_data, dict) else None,
+    )
     if final is not None:
         services.metrics.job_usage(job.upstream, final.model, final.usage)
         if job.limits is not None:

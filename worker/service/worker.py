@@ -19,6 +19,7 @@ import secrets
 import signal
 import socket
 import time
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
@@ -32,7 +33,7 @@ from worker.service.limits import FleetLimits
 from worker.service.metrics import Metrics
 from worker.service.notices import WaitingNotices
 from worker.service.pipeline import Attempt, Services, run_job
-from worker.service.runtime import default_upstream_unset, startup_summary
+from worker.service.runtime import default_upstream_unset, package_version, startup_summary
 from worker.service.slots import Slots
 from worker.service.ticks import WakeCoalescer
 from worker.service.tracing import NoTracing, tracing_for_process
@@ -113,6 +114,8 @@ class Worker:
         self.ticks = WakeCoalescer(settings.wake_tick_ms / 1000, lambda: bool(self.running))
         self.running: dict[str, HeldEntry] = {}
         self.processed = 0
+        self.started_at = time.time()
+        self._redact = logs.RedactFilter(logs.secrets_of(settings)).redact
         self.stopping = asyncio.Event()
         self.cannot_consume: str | None = None  # why the last queue read failed (readyz)
         self._read_failed = False  # since then, Redis may serve reads we gave up on
@@ -188,6 +191,8 @@ class Worker:
         self.ticks.stop()
         await self.publisher.stop()
         await self.replication.aclose()
+        with contextlib.suppress(RedisError):
+            await self.upkeep.flush_activity()  # the last jobs' ends
         await self._leave()
         await self.upstream.aclose()
         if self.http is not None:
@@ -353,6 +358,7 @@ class Worker:
         logs.set_attempt(started.attempt)
         stream = self.publisher.open(job_id, started.attempt)
         job = held.job = Attempt(job_id, started.attempt, started.request, started.upstream, stream)
+        job.tenant = entry.tenant
         notices = WaitingNotices(
             self.records, self.upstream.gates, job_id, job.upstream, lambda: job.attempt
         )
@@ -406,6 +412,33 @@ class Worker:
             return held.waiting
         gate = self.upstream.gates.get(job.upstream)
         return gate is not None and gate.down
+
+    def report(self) -> dict[str, Any]:
+        """What this worker says about itself beside each heartbeat (the dashboard's workers
+        panel): its slots and how many are busy, the jobs it holds that wait for a down
+        upstream, which upstreams it finds down (for how long, the last error: secrets
+        masked), its version, host, pid and start (Unix seconds, its own clock)."""
+        down = {
+            gate.name: {
+                "for": round(time.monotonic() - gate.down_since, 1),
+                "error": self._redact(gate.last_error)[:300],
+                "waiting": gate.waiting,
+            }
+            for gate in self.upstream.gates.values()
+            if gate.down_since is not None
+        }
+        return {
+            "version": package_version(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": round(self.started_at, 3),
+            "slots": self.settings.concurrency,
+            "busy": len(self.running) - self.slots.waiting,
+            "waiting": self.slots.waiting,
+            "processed": self.processed,
+            "stopping": self.stopping.is_set(),
+            "down": down,
+        }
 
     def _running_by_tenant(self) -> dict[str, int]:
         counts: dict[str, int] = {}
