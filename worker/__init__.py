@@ -24,3 +24,15 @@ variables, W3C trace context, log ids) and ``telemetry_sdk`` (its SDK providers 
 exporters, the ``otel`` extra). What backend services import is ``client``
 (``Client``, ``SyncClient``) and ``schemas``.
 """
+
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+
+
+@cache
+def package_version() -> str:
+    """chatstream's installed version (``unknown`` in a checkout never installed)."""
+    try:
+        return version("chatstream")
+    except PackageNotFoundError:
+        return "unknown"

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from functools import cache
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,15 +21,6 @@ from worker.settings import DEFAULT_UPSTREAM, Settings
 from worker.speedups import chosen_transport
 from worker.store.redis_client import RedisClient, is_fake
 from worker.urls import parse_redis_url, redacted_url
-
-
-@cache
-def package_version() -> str:
-    """chatstream's installed version (``unknown`` in a checkout never installed)."""
-    try:
-        return version("chatstream")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def redis_location(redis: RedisClient) -> str:

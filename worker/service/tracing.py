@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard
 from urllib.parse import urlsplit
 
-from worker import telemetry
+from worker import package_version, telemetry
 from worker.errors import ChatstreamError, UnknownUpstreamError
-from worker.service.runtime import package_version
 from worker.settings import Settings
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from worker import logs, telemetry
+from worker import logs, package_version, telemetry
 from worker.aio import cancel_and_wait
 from worker.retry import retry_redis
 from worker.service.entries import EntryFate, HeldEntry
@@ -33,7 +33,7 @@ from worker.service.limits import FleetLimits
 from worker.service.metrics import Metrics
 from worker.service.notices import WaitingNotices
 from worker.service.pipeline import Attempt, Services, run_job
-from worker.service.runtime import default_upstream_unset, package_version, startup_summary
+from worker.service.runtime import default_upstream_unset, startup_summary
 from worker.service.slots import Slots
 from worker.service.ticks import WakeCoalescer
 from worker.service.tracing import NoTracing, tracing_for_process

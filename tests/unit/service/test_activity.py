@@ -11,7 +11,7 @@ from pydantic import SecretStr
 from redis.asyncio import Redis
 
 from tests.helpers.harness import Harness, chat, custom_harness
-from worker.service.runtime import package_version
+from worker import package_version
 from worker.store.activity import ActivityLog, merge, minute_of, ttft_histogram
 
 
