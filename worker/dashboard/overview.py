@@ -144,11 +144,14 @@ def _tenant_row(name: str, fleet: Fleet, slow: Slow, hour: dict[str, int] | None
 def upstream_rows(
     fleet: Fleet, use: Mapping[tuple[int, str], Use], hour: Mapping[str, dict[str, int]]
 ) -> list[dict[str, Any]]:
-    """One row per upstream the workers serve, limit, queue or run jobs for."""
+    """One row per upstream the workers serve, limit, queue or run jobs for, or find down."""
     names = {*hour}
     for shard in fleet.shards:
         names.update(shard.served(), shard.limits(), shard.upstreams, shard.running_upstreams)
         names.update(shard.paused)
+    for report in fleet.reports.values():
+        down = report.get("down")
+        names.update(down if isinstance(down, dict) else ())
     served = {name for shard in fleet.shards for name in shard.served()}
     return [
         _upstream_row(name, name in served, fleet, use, hour.get(name)) for name in sorted(names)
