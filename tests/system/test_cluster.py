@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
@@ -27,6 +29,7 @@ from tests.helpers.gateway_env import chunks_of, content_of, running_gateway, ss
 from tests.helpers.harness import MOCK, Harness, chat, spread
 from worker.aio import cancel_and_wait
 from worker.client import Client
+from worker.dashboard import serve_dashboard
 from worker.service.worker import Worker
 from worker.settings import Settings
 from worker.store.batch import ConnectionSender
@@ -276,6 +279,46 @@ async def agreed(cluster: Cluster, slot: int, port: int) -> bool:
 
 
 # -- the gateway on a cluster ---------------------------------------------------------------------
+
+
+async def test_the_dashboard_reads_a_cluster_and_acts_on_it(on_cluster: Harness) -> None:
+    """The dashboard's reads (pipelined over the masters, a script per shard), a job's reply
+    through the hub's per-job readers, and its actions (a pause on every shard, a cancel)."""
+    h = on_cluster
+    settings = h.settings.model_copy(update={"dashboard_keys": SecretStr("sk-ops")})
+    consume = asyncio.create_task(h.worker.consume())
+    headers = {"x-chatstream-dashboard-key": "sk-ops"}
+    try:
+        async with (
+            serve_dashboard(settings, h.redis, host="127.0.0.1", port=0) as url,
+            httpx.AsyncClient(base_url=url, headers=headers, timeout=20) as http,
+        ):
+            slow = await h.client.enqueue(chat("slow", tokens=400, rate=40), tenant="a")
+            await eventually(lambda: running(h, slow))
+            assert (await http.post("/api/upstreams/default/pause")).json()["changed"]
+            held = [await h.client.enqueue(chat(), tenant="b", job_id=job_id)
+                    for job_id in spread(h.worker.keys, per_shard=1)]  # fmt: skip
+            overview = (await http.get("/api/overview")).json()
+            reply = ""
+            async with http.stream("GET", f"/api/jobs/{slow}/events") as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        reply += json.loads(line[6:])["data"].get("content", "")
+                    if len(reply) > 30:
+                        break
+            assert (await http.post(f"/api/jobs/{slow}/cancel")).json()["status"] == "requested"
+            assert (await http.post("/api/upstreams/default/resume")).json()["changed"]
+            for job_id in [slow, *held]:
+                await h.client.result(job_id, timeout=10)
+    finally:
+        h.worker.stopping.set()
+        await cancel_and_wait([consume])
+    totals = overview["totals"]
+    assert (totals["running"], totals["waiting"]) == (1, SHARDS)
+    assert [shard["waiting"] for shard in overview["shards"]] == [1] * SHARDS
+    assert overview["upstreams"][0]["paused_shards"] == SHARDS
+    assert reply.startswith("tok0 tok1")
+    assert (await h.client.get(slow)).status is JobStatus.CANCELLED
 
 
 async def test_the_gateway_streams_and_resumes_jobs_on_a_cluster(
