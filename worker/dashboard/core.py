@@ -34,10 +34,20 @@ log = logging.getLogger("chatstream.dashboard")
 
 KEY_HEADER = "x-chatstream-dashboard-key"
 INTERVAL = 1.0  # seconds between reads while a page listens
-SLOW_EVERY = 5  # reads: the dead letters, the activity, busy shards' priorities this often
-BUSY_SHARD = 250  # waiting tenants on a shard above which its priorities are read slowly
+SLOW_EVERY = 5  # reads: the dead letters and the activity this often
+TENANTS_PER_READ = 50  # waiting tenants broken down by priority per read, on average
+MOST_WAITING_EVERY = 30  # reads: the breakdown is at most this old
 DEAD_SAMPLE = 1_000  # the newest dead letters whose tenants the overview counts
 DAY = 1_440  # minutes of activity kept in memory at most (the counters' own bound)
+
+
+def waiting_every(fleet: Fleet) -> int:
+    """Reads between two breakdowns of the waiting jobs by tenant and priority: a script
+    whose work grows with the waiting tenants (about eight calls each), so it runs for about
+    ``TENANTS_PER_READ`` tenants per read on average (every read up to 50 tenants, every
+    20th with 1,000, at most every 30th); the totals are read every time."""
+    tenants = sum(len(shard.tenants) for shard in fleet.shards)
+    return min(MOST_WAITING_EVERY, max(1, -(-tenants // TENANTS_PER_READ)))
 
 
 class Dashboard:
@@ -88,8 +98,7 @@ class Dashboard:
     async def _read(self, tick: int) -> bytes:
         fleet = await self.fleet.read_shards()
         use = await self.fleet.read_use(fleet)
-        busy = any(len(shard.tenants) > BUSY_SHARD for shard in fleet.shards)
-        if tick % SLOW_EVERY == 0 or not busy:
+        if tick % waiting_every(fleet) == 0:
             self.slow.waiting = await self.fleet.read_waiting()
             self.slow.waiting_at = fleet.now
         if tick % SLOW_EVERY == 0:

@@ -235,7 +235,9 @@ function renderOverview() {
       num(s.by_priority.normal), num(s.by_priority.low), num(s.in_stream), num(s.running),
       num(s.tenants_waiting), age(s.oldest_waiting_seconds)],
   })));
+  const lag = overview.waiting_at ? overview.now - overview.waiting_at : 0;
   $("tenant-count").textContent = `(${num(t.tenants)} with jobs waiting, running, dead or ended in the last hour`
+    + (lag > 2 ? `; high/normal/low as of ${age(lag)} ago` : "")
     + (overview.dead_seen < t.dead ? `; dead counted among the newest ${num(overview.dead_seen)}` : "") + ")";
   renderTenants($("tenant-filter").value ? tenantRows || [] : overview.tenants);
 }
