@@ -49,6 +49,7 @@ import httpx
 from bench_fleet import free_port
 from playwright.async_api import Browser, Page, async_playwright, expect
 from redis.asyncio import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.client import Client
 from worker.settings import Settings
@@ -230,16 +231,18 @@ async def redis_load(
         await page.close()
     usec = (after[0] - before[0]) / seconds
     cpu = (after[1] - before[1]) / seconds
+    runs, script_usec = after[2] - before[2], after[3] - before[3]
+    script = f"{runs} script runs, {script_usec / runs / 1000:.1f} ms each" if runs else "no script"
     return (f"  {tabs:>2} tabs: {sent:6.1f} commands/s sent, {in_scripts:6.1f}/s more run by "
-            f"its scripts; Redis {usec / 1000:5.2f} ms CPU/s in them; dashboard process "
-            f"{cpu * 100:4.1f}% of a core")  # fmt: skip
+            f"its scripts; Redis {usec / 1000:5.2f} ms CPU/s in them ({script}); dashboard "
+            f"process {cpu * 100:4.1f}% of a core")  # fmt: skip
 
 
 async def _monitored(redis: Redis, seconds: float) -> tuple[float, float]:
     """Commands per second the dashboard sent, and those its scripts ran (``MONITOR``)."""
     sent = in_scripts = 0
     async with redis.monitor() as monitor:
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(TimeoutError, RedisTimeoutError):  # (the latter: no command)
             async with asyncio.timeout(seconds):
                 async for command in monitor.listen():
                     if command.get("client_type") == "lua":
@@ -249,10 +252,13 @@ async def _monitored(redis: Redis, seconds: float) -> tuple[float, float]:
     return sent / seconds, in_scripts / seconds
 
 
-async def _counters(redis: Redis, pid: int) -> tuple[int, float]:
+async def _counters(redis: Redis, pid: int) -> tuple[int, float, int, int]:
+    """Redis's usec in every command but INFO, the dashboard's CPU seconds, and the calls
+    and usec of EVALSHA (the dashboard's only script: the waiting jobs by priority)."""
     info: Any = await redis.info("commandstats")
     usec = sum(int(v["usec"]) for k, v in info.items() if k != "cmdstat_info")
-    return usec, process_cpu(pid)
+    script = info.get("cmdstat_evalsha", {"calls": 0, "usec": 0})
+    return usec, process_cpu(pid), int(script["calls"]), int(script["usec"])
 
 
 def process_cpu(pid: int) -> float:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,7 +27,7 @@ from worker.gateway.hub import EventHub, event_hub
 from worker.logs import RedactFilter, secrets_of
 from worker.settings import Settings
 from worker.store.activity import ActivityLog
-from worker.store.fleet import Fleet, FleetReader
+from worker.store.fleet import Fleet, FleetReader, Waiting
 from worker.store.records import as_text
 from worker.store.redis_client import RedisClient, redis_from_settings
 
@@ -35,19 +36,20 @@ log = logging.getLogger("chatstream.dashboard")
 KEY_HEADER = "x-chatstream-dashboard-key"
 INTERVAL = 1.0  # seconds between reads while a page listens
 SLOW_EVERY = 5  # reads: the dead letters and the activity this often
-TENANTS_PER_READ = 50  # waiting tenants broken down by priority per read, on average
-MOST_WAITING_EVERY = 30  # reads: the breakdown is at most this old
+TENANTS_PER_READ = 50  # waiting tenants of a shard broken down by priority per read
 DEAD_SAMPLE = 1_000  # the newest dead letters whose tenants the overview counts
 DAY = 1_440  # minutes of activity kept in memory at most (the counters' own bound)
 
 
-def waiting_every(fleet: Fleet) -> int:
-    """Reads between two breakdowns of the waiting jobs by tenant and priority: a script
-    whose work grows with the waiting tenants (about eight calls each), so it runs for about
-    ``TENANTS_PER_READ`` tenants per read on average (every read up to 50 tenants, every
-    20th with 1,000, at most every 30th); the totals are read every time."""
-    tenants = sum(len(shard.tenants) for shard in fleet.shards)
-    return min(MOST_WAITING_EVERY, max(1, -(-tenants // TENANTS_PER_READ)))
+@dataclass(slots=True)
+class Pass:
+    """One shard's breakdown of waiting jobs by tenant and priority under way: a script call
+    per read for ``TENANTS_PER_READ`` tenants (about nine calls each), so no call holds
+    Redis long; a finished pass replaces the shown one."""
+
+    started: float
+    start: int = 0
+    found: dict[str, Waiting] = field(default_factory=dict)
 
 
 class Dashboard:
@@ -62,12 +64,13 @@ class Dashboard:
         self.activity = ActivityLog(self.redis, self.keys)
         self.slow = Slow()
         self.latest: Fleet | None = None
-        self.live = Live(self._read, self._failed, INTERVAL)
+        self.live = Live(self.read, self._failed, INTERVAL)
         self._redact = RedactFilter(secrets_of(settings)).redact
         self._hub: EventHub | None = None
         self._hub_task: asyncio.Task[None] | None = None
         self._dead_tenant: dict[str, str] = {}  # job id -> tenant, of the dead letters sampled
         self._dead_stale = False
+        self._passes: dict[int, Pass] = {}
 
     # -- who is asking --------------------------------------------------------------------
 
@@ -95,12 +98,11 @@ class Dashboard:
 
     # -- the read loop ----------------------------------------------------------------------
 
-    async def _read(self, tick: int) -> bytes:
+    async def read(self, tick: int) -> bytes:
+        """One read of the fleet (the loop's ``tick``-th): the overview, encoded."""
         fleet = await self.fleet.read_shards()
         use = await self.fleet.read_use(fleet)
-        if tick % waiting_every(fleet) == 0:
-            self.slow.waiting = await self.fleet.read_waiting()
-            self.slow.waiting_at = fleet.now
+        await self._read_waiting(fleet)
         if tick % SLOW_EVERY == 0:
             await self._read_minutes(int(fleet.now // 60))
         if tick % SLOW_EVERY == 0 or self._dead_stale:
@@ -109,6 +111,18 @@ class Dashboard:
         self.latest = fleet
         overview = build(fleet, use, self.slow, self.settings.heartbeat_timeout)
         return self.encode(overview)
+
+    async def _read_waiting(self, fleet: Fleet) -> None:
+        """The next chunk of each shard's pass over its waiting tenants."""
+        for shard in fleet.shards:
+            step = self._passes.setdefault(shard.index, Pass(fleet.now))
+            found = await self.fleet.read_waiting(shard.index, step.start, TENANTS_PER_READ)
+            step.found.update(found)
+            step.start += TENANTS_PER_READ
+            if len(found) < TENANTS_PER_READ:  # the pass is complete
+                self.slow.waiting[shard.index] = step.found
+                self.slow.waiting_at[shard.index] = step.started
+                del self._passes[shard.index]
 
     async def _read_minutes(self, minute: int, span: int = 60) -> None:
         """The last ``span`` minutes: the two newest always (workers still add to them), the

@@ -23,11 +23,12 @@ LATE = 60.0  # seconds: a worker silent this long is listed as gone, not late
 
 @dataclass(slots=True)
 class Slow:
-    """What the read loop refreshes every few seconds: the waiting jobs by priority, the dead
-    letters' tenants, the activity minutes, and when the first was read (Redis time)."""
+    """What the read loop refreshes now and then: the waiting jobs by tenant and priority
+    (and when each shard's pass over them began, Redis time), the dead letters' tenants,
+    the activity minutes."""
 
-    waiting: dict[int, dict[str, Waiting]] = field(default_factory=dict)
-    waiting_at: float | None = None
+    waiting: dict[int, dict[str, Waiting]] = field(default_factory=dict)  # per shard
+    waiting_at: dict[int, float] = field(default_factory=dict)  # when each pass began
     dead_tenants: dict[str, int] = field(default_factory=dict)  # among the newest dead letters
     dead_seen: int = 0  # dead letters looked at
     minutes: dict[int, dict[str, int]] = field(default_factory=dict)
@@ -49,7 +50,7 @@ def build(
         "upstreams": upstream_rows(fleet, use, per_name(hour, "u")),
         "workers": workers,
         "activity": series(slow.minutes, minute - HOUR + 1, HOUR, 1).to_json(),
-        "waiting_at": slow.waiting_at,
+        "waiting_at": min(slow.waiting_at.values(), default=None),
         "dead_seen": slow.dead_seen,
     }
 

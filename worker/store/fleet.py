@@ -12,8 +12,9 @@ of tenants or jobs (docs/dashboard.md says what each costs):
     per limited upstream and shard: permits renewed within a lease, requests and tokens of
     the last minute (as the scheduler counts them), the time left of a 429's pause.
 ``read_waiting``
-    per shard, one read-only script (``sched/waiting.lua``): every waiting tenant's jobs by
-    priority and its oldest job's enqueue time.
+    a read-only script (``sched/waiting.lua``) on one shard: ``count`` waiting tenants'
+    jobs by priority and their oldest job's enqueue time, from the ``start``-th tenant
+    (the dashboard reads a shard's tenants a chunk per read, so no call runs long).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from worker.store.redis_client import RedisClient
 
 WAITING = lua.script("sched/waiting")
 MOST_ENTRIES = 10_000  # stream entries read per shard (running jobs beyond are counted only)
-MOST_TENANTS = 2_000  # waiting tenants broken down by priority per shard
 MINUTE_MS = 60_000
 PRIORITIES = ("high", "normal", "low")
 
@@ -177,16 +177,15 @@ class FleetReader:
         for (use, _, _), tokens in zip(expired, await pipe.execute(), strict=True):
             use.tokens = max(use.tokens - sum(int(as_text(t)) for t in tokens if t), 0)
 
-    async def read_waiting(self) -> dict[int, dict[str, Waiting]]:
-        """Per shard: each waiting tenant's jobs by priority and its oldest job."""
-        found: dict[int, dict[str, Waiting]] = {}
-        for shard in range(self.keys.shards):
-            keys = [self.keys.queue_shard(shard), self.keys.sched(shard)]
-            flat: Any = await self._waiting(keys=keys, args=[MOST_TENANTS])
-            tenants = found[shard] = {}
-            for at in range(0, len(flat), 5):
-                high, normal, low, oldest = (int(v) for v in flat[at + 1 : at + 5])
-                tenants[as_text(flat[at])] = Waiting(high, normal, low, oldest or None)
+    async def read_waiting(self, shard: int, start: int, count: int) -> dict[str, Waiting]:
+        """``count`` waiting tenants of ``shard`` from the ``start``-th (in pass order): their
+        jobs by priority and their oldest job."""
+        keys = [self.keys.queue_shard(shard), self.keys.sched(shard)]
+        flat: Any = await self._waiting(keys=keys, args=[start, count])
+        found: dict[str, Waiting] = {}
+        for at in range(0, len(flat), 5):
+            high, normal, low, oldest = (int(v) for v in flat[at + 1 : at + 5])
+            found[as_text(flat[at])] = Waiting(high, normal, low, oldest or None)
         return found
 
 

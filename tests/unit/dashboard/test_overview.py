@@ -115,3 +115,25 @@ async def test_a_secret_in_redis_never_leaves_the_dashboard(
     await Liveness(redis, keys, "w1", 3).beat(json.dumps(report))
     body = await Dashboard(settings, redis).live.current()
     assert secret.encode() not in body and b"bad key ***" in body
+
+
+async def test_many_waiting_tenants_are_broken_down_a_chunk_per_read(
+    settings: Settings, redis: Redis
+) -> None:
+    """No script call covers more than 50 tenants: the 249 waiting in their queues (one job
+    went into the stream) take five reads; meanwhile the page shows the last complete pass
+    (none yet), and the totals are exact at every read."""
+    client = Client.from_settings(settings, redis)
+    await Queue(redis, client.keys, "w").ensure_group()
+    for n in range(250):
+        await client.enqueue(chat(), tenant=f"t{n:03d}", priority="low" if n % 2 else "high")
+    dashboard = Dashboard(settings, redis)
+    seen = []
+    for tick in range(5):
+        overview = json.loads(await dashboard.read(tick))
+        seen.append(sum(row["by_priority"]["low"] for row in overview["tenants"]))
+        assert overview["totals"]["waiting"] == 250
+    assert seen[:4] == [0, 0, 0, 0] and seen[4] > 0, seen  # (the overview's top 100 rows)
+    rows = await dashboard.tenants()
+    assert len(rows) == 250 and sum(row["by_priority"]["low"] for row in rows) == 125
+    assert sum(row["by_priority"]["high"] for row in rows) == 124  # one in the stream

@@ -1,11 +1,13 @@
--- KEYS: queue, scheduler prefix. ARGV: most tenants. Reads only (the dashboard's): for each
--- tenant with waiting jobs (the first `most` in pass order), its waiting jobs by priority
--- and when the oldest of them was enqueued (ms; 0: unknown). Returns a flat list
--- {tenant, high, normal, low, oldest ms, ...}. Costs a few calls per tenant and upstream.
+-- KEYS: queue, scheduler prefix. ARGV: start, count. Reads only (the dashboard's): for
+-- `count` tenants with waiting jobs from the `start`-th in pass order, its waiting jobs by
+-- priority and when the oldest of them was enqueued (ms; 0: unknown). Returns a flat list
+-- {tenant, high, normal, low, oldest ms, ...}. Costs about nine calls per tenant and
+-- upstream, so a caller bounds each call's time with `count`.
 local S = KEYS[2]
 local RANK = 1e13
 local out = {}
-for _, t in ipairs(redis.call('ZRANGE', S .. ':tenants', 0, tonumber(ARGV[1]) - 1)) do
+local first = tonumber(ARGV[1])
+for _, t in ipairs(redis.call('ZRANGE', S .. ':tenants', first, first + tonumber(ARGV[2]) - 1)) do
   local counts, oldest = {0, 0, 0}, nil
   for _, u in ipairs(redis.call('SMEMBERS', S .. ':tu:' .. t)) do
     local q = S .. ':q:' .. t .. ':' .. u
