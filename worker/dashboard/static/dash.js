@@ -120,7 +120,6 @@ async function loadSession() {
   $("forget").hidden = !key();
   $("key-form").hidden = Boolean(operator);
   if (key() && !operator) $("key").placeholder = "not an operator key";
-  document.body.classList.toggle("operator", Boolean(operator));
   render();
 }
 
@@ -187,7 +186,8 @@ function alertsOf(o) {
   }
   for (const u of o.upstreams) {
     if (u.down) {
-      found.push(["bad", `Upstream ${u.name} down on ${u.down.workers} worker(s) for ${age(o.now - u.down.since)}`
+      const on = u.down.workers === 1 ? "1 worker" : `${u.down.workers} workers`;
+      found.push(["bad", `Upstream ${u.name} down on ${on} for ${age(o.now - u.down.since)}`
         + ` (${u.down.error}); ${num(u.down.waiting)} jobs wait for it in workers, ${num(u.waiting)} queued`]);
     }
     if (u.paused_since) found.push(["warn", `Upstream ${u.name} paused for the fleet since ${when(u.paused_since)}; ${num(u.waiting)} jobs held`]);
@@ -197,7 +197,7 @@ function alertsOf(o) {
     if (w.state !== "alive") found.push(["warn", `Worker ${w.name} silent for ${age(w.beat_age)} (${w.state})`]);
   }
   if (t.oldest_waiting_seconds > 60) found.push(["warn", `The oldest waiting job has waited ${age(t.oldest_waiting_seconds)}`]);
-  if (t.dead) found.push(["warn", `${num(t.dead)} dead letters`]);
+  if (t.dead) found.push(["warn", t.dead === 1 ? "1 dead letter" : `${num(t.dead)} dead letters`]);
   return found;
 }
 
@@ -220,7 +220,7 @@ function renderOverview() {
     tile("oldest wait", age(t.oldest_waiting_seconds), "total-oldest"),
     tile("finished / s (5 min)", num(t.finished_per_second), "total-rate"),
     tile("tokens / s (5 min)", num(t.tokens_per_second), "total-tokens"),
-    tile("first token p50 / p95 (1 h)", `${ms(t.ttft_p50_ms)} / ${ms(t.ttft_p95_ms)}`, "total-ttft"),
+    tile("first token p50 / p95 (1 h)", `${num(t.ttft_p50_ms === null ? null : Math.round(t.ttft_p50_ms))} / ${ms(t.ttft_p95_ms)}`, "total-ttft"),
     tile("failed (1 h)", `${num(t.failed_last_hour)} of ${num(t.finished_last_hour)}`, "total-failed", t.failed_last_hour > 0),
   );
   renderCharts(windowData && Number($("window").value) > 60 ? windowData : overview.activity);
@@ -295,7 +295,7 @@ function chart(title, series, stacked, format) {
     }
   });
   const legend = h("div", { class: "legend" }, series.map((s) => {
-    const last = s.values[s.values.length - 1];
+    const last = s.values.length > 1 ? s.values[s.values.length - 2] : s.values[0]; // the last whole step
     const swatch = h("i", {});
     swatch.style.background = s.color;
     return h("span", {}, swatch, `${s.name} ${format(last)}`);
@@ -305,8 +305,9 @@ function chart(title, series, stacked, format) {
 
 function renderCharts(a) {
   if (!a) return;
-  const seconds = a.step_seconds;
-  const perSecond = (values) => values.map((v) => v / seconds);
+  // per second; the current step so far over the seconds it has run
+  const sofar = Math.max(1, (overview ? overview.now : Date.now() / 1000) - (a.start + (a.finished.length - 1) * a.step_seconds));
+  const perSecond = (values) => values.map((v, i) => v / (i === values.length - 1 ? Math.min(sofar, a.step_seconds) : a.step_seconds));
   const ok = a.finished.map((v, i) => v - a.failed[i]);
   const codes = Object.keys(a.failures);
   const rate = (v) => (v === null || v === undefined ? "–" : num(v) + "/s");
