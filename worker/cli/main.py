@@ -326,20 +326,22 @@ async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def listening(settings: Settings, args: argparse.Namespace, server: str) -> Settings:
+    """The settings with ``--host`` / ``--port`` as ``<server>_host`` / ``<server>_port``."""
+    updates = {f"{server}_host": args.host, f"{server}_port": args.port}
+    return settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
+
+
 async def gateway_command(settings: Settings, args: argparse.Namespace) -> int:
     from worker.gateway import run_gateway
 
-    updates = {"gateway_host": args.host, "gateway_port": args.port}
-    settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
-    return await run_gateway(settings)
+    return await run_gateway(listening(settings, args, "gateway"))
 
 
 async def dashboard_command(settings: Settings, args: argparse.Namespace) -> int:
     from worker.dashboard import run_dashboard
 
-    updates = {"dashboard_host": args.host, "dashboard_port": args.port}
-    settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
-    return await run_dashboard(settings)
+    return await run_dashboard(listening(settings, args, "dashboard"))
 
 
 async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
