@@ -379,6 +379,29 @@ async def test_jobs_run_through_sentinel(on_sentinel: Harness, sentinel_set: Sen
     await eventually(lambda: replicated(sentinel_set, h.worker.keys.job(ids[-1])))
 
 
+async def test_the_dashboard_reads_through_sentinel(on_sentinel: Harness) -> None:
+    """The dashboard on the master the Sentinels name: its overview, and a job's reply
+    replayed through the hub."""
+    h = on_sentinel
+    settings = h.settings.model_copy(update={"dashboard_keys": SecretStr("sk-ops")})
+    [done] = await run_all(h, requests(1))
+    failed = await h.client.enqueue(chat("no", fault="http_400"), tenant="b")
+    await h.worker.run_burst()
+    headers = {"x-chatstream-dashboard-key": "sk-ops"}
+    async with (
+        serve_dashboard(settings, h.redis, host="127.0.0.1", port=0) as url,
+        httpx.AsyncClient(base_url=url, headers=headers, timeout=20) as http,
+    ):
+        await h.worker.upkeep.flush_activity()
+        overview = (await http.get("/api/overview")).json()
+        replay = (await http.get(f"/api/jobs/{done}/events")).text
+        listed = (await http.get("/api/jobs", params={"status": "failed"})).json()["jobs"]
+    assert overview["totals"]["finished_last_hour"] == 2
+    assert overview["totals"]["failed_last_hour"] == 1
+    assert [row["name"] for row in overview["workers"]] == [h.worker.name]
+    assert '"type":"done"' in replay and [job["id"] for job in listed] == [failed]
+
+
 async def replicated(deployment: Sentinels, key: str) -> bool:
     return deployment.replica.client.hget(key, "status") == "succeeded"
 
