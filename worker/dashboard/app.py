@@ -9,6 +9,7 @@ cannot make a browser act (no CSRF), and CORS is not offered.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -57,12 +58,12 @@ def dashboard_of(request: Request) -> Dashboard:
     return dashboard
 
 
+NO_STORE = {"cache-control": "no-store", "x-content-type-options": "nosniff"}
+
+
 def json_response(request: Request, value: Any, status: int = 200) -> Response:
     body = dashboard_of(request).encode(value)
     return Response(body, status_code=status, media_type="application/json", headers=NO_STORE)
-
-
-NO_STORE = {"cache-control": "no-store", "x-content-type-options": "nosniff"}
 
 
 def operator_of(request: Request) -> ApiKey:
@@ -95,14 +96,17 @@ def _float(request: Request, name: str) -> float | None:
     if value in (None, ""):
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
-        raise DashboardError(400, f"{name} must be Unix seconds", "invalid_parameter") from None
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise DashboardError(400, f"{name} must be Unix seconds", "invalid_parameter")
+    return seconds
 
 
 def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     value = request.query_params.get(name) or str(default)
-    if not value.isdigit() or not low <= int(value) <= high:
+    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
         raise DashboardError(400, f"{name} must be from {low} to {high}", "invalid_parameter")
     return int(value)
 
@@ -149,10 +153,11 @@ async def live(request: Request) -> EventStream:
                 payload = await listener.take()
                 yield b"event: overview\ndata: " + payload + b"\n\n"
 
-    async def closed(gone: bool) -> None:
-        return None
+    return EventStream(frames(), headers=NO_STORE, send_timeout=SEND_TIMEOUT, on_close=_closed)
 
-    return EventStream(frames(), headers=NO_STORE, send_timeout=SEND_TIMEOUT, on_close=closed)
+
+async def _closed(client_gone: bool) -> None:
+    """A page's stream ended: nothing to release (a page holds no slot, cancels nothing)."""
 
 
 async def tenants(request: Request) -> Response:
@@ -212,14 +217,11 @@ async def job_events(request: Request) -> EventStream:
     feed = JobFeed(dashboard.hub, dashboard.keys, job_id, after=after,
                    ended=as_text(status) in TERMINAL_VALUES, idle_seconds=15.0)  # fmt: skip
 
-    async def closed(gone: bool) -> None:
-        return None
-
     return EventStream(
         native_frames(feed.batches()),
         headers=NO_STORE | {"x-chatstream-job-id": job_id},
         send_timeout=SEND_TIMEOUT,
-        on_close=closed,
+        on_close=_closed,
         behind=feed.behind,
     )
 
