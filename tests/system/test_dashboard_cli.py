@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import socket
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import httpx
 from tests.helpers.checks import until_serving
 from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
+from tests.helpers.processes import reaped, stop_worker
 from tests.helpers.servers import free_port
 from tests.system.test_gateway_cli import run, spawn
 
@@ -26,7 +25,7 @@ async def test_the_dashboard_command_serves_the_fleet_until_sigterm(
     fleet.spawn()
     log_path = tmp_path / "dashboard.log"
     dashboard = spawn(["dashboard", "--port", str(port)], fleet.env, tmp_path, log_path)
-    try:
+    with reaped(dashboard):
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as http:
             await until_serving(http)
             job_id = await fleet.client.enqueue(chat("hi"))
@@ -37,12 +36,7 @@ async def test_the_dashboard_command_serves_the_fleet_until_sigterm(
                 "x-chatstream-dashboard-key": OPERATOR})).json()  # fmt: skip
         assert page.status_code == 200 and "dash.js" in page.text
         assert [job["id"] for job in found] == [job_id] and session["operator"] == "ops"
-        dashboard.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(dashboard.wait, 10) == 0
-    finally:
-        if dashboard.poll() is None:
-            dashboard.kill()
-        dashboard.wait()
+        assert await stop_worker(dashboard, timeout=10) == 0
     log = log_path.read_text()
     assert f"dashboard listening on http://127.0.0.1:{port} (actions with a key)" in log
     assert "Traceback" not in log and OPERATOR not in log
