@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 from redis.asyncio import Redis
 
+from tests.helpers.browser import launched_browser
 from tests.helpers.fleet import Fleet
 from tests.helpers.harness import MOCK, Harness
 from tests.helpers.servers import (
@@ -37,6 +38,8 @@ from worker.store.redis_client import RedisClient, redis_from_settings
 from worker.testing.mock_upstream import MockConfig, MockUpstream, serve_mock
 
 if TYPE_CHECKING:
+    from playwright.async_api import Browser
+
     from tests.helpers.deployments import Cluster, Sentinels
 
 
@@ -118,6 +121,13 @@ async def mock_upstream() -> AsyncIterator[tuple[MockUpstream, str]]:
     app = MockUpstream(MOCK)
     async with serve_mock(app=app) as url:
         yield app, url
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    """A headless Chromium (skipped without one, except under CI)."""
+    async with launched_browser() as launched:
+        yield launched
 
 
 @pytest.fixture

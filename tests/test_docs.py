@@ -57,6 +57,7 @@ OUR_DOCS = (
     "operations.md",
     "decisions.md",
     "gateway.md",
+    "dashboard.md",
 )
 DOC_DB = 15
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```", re.DOTALL | re.MULTILINE)

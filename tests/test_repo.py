@@ -161,8 +161,18 @@ ALLOWED = {  # besides the shared modules and schemas, which every room may impo
     "client": {"store"},
     "service": {"protocol", "upstream", "store"},
     "gateway": {"protocol", "store", "client"},
+    "dashboard": {"protocol", "store", "client", "gateway"},  # the gateway's streams and keys
     "testing": set(),
-    "cli": {"protocol", "upstream", "store", "client", "service", "gateway", "testing"},
+    "cli": {
+        "protocol",
+        "upstream",
+        "store",
+        "client",
+        "service",
+        "gateway",
+        "dashboard",
+        "testing",
+    },
 }
 IO_MODULES = {"asyncio", "socket", "ssl", "redis", "httpx", "httpcore", "starlette", "uvicorn"}
 
@@ -217,6 +227,7 @@ def test_the_layering_rules_catch_a_wrong_import() -> None:
     graph = {
         "worker.store.queue": {"worker.upstream.gate", "worker.store.keys", "worker.settings"},
         "worker.gateway.core": {"worker.service.worker", "worker.client"},
+        "worker.dashboard.app": {"worker.gateway.hub", "worker.service.worker"},
         "worker.service.pipeline": {"worker.cli.output", "worker.testing.mock_upstream"},
         "worker.settings": {"worker.store.keys", "worker.errors"},
         "schemas.jobs": {"worker.errors"},
@@ -225,6 +236,7 @@ def test_the_layering_rules_catch_a_wrong_import() -> None:
     assert layering_violations(graph) == [
         "worker.store.queue (store) imports worker.upstream.gate (upstream)",
         "worker.gateway.core (gateway) imports worker.service.worker (service)",
+        "worker.dashboard.app (dashboard) imports worker.service.worker (service)",
         "worker.service.pipeline (service) imports worker.cli.output (cli)",
         "worker.service.pipeline (service) imports worker.testing.mock_upstream (testing)",
         "worker.settings (shared) imports worker.store.keys (store)",

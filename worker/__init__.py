@@ -11,6 +11,7 @@ The package's rooms, from the pure core outwards (which may import which is a te
 ``service/``    the worker process: lifecycle, a queue entry's fate, upkeep, the pipeline
                 of one job, metrics and health, the supervisor
 ``gateway/``    ``chatstream gateway``: OpenAI-compatible HTTP in, resumable SSE out
+``dashboard/``  ``chatstream dashboard``: the operator's page, live from Redis alone
 ``cli/``        the ``chatstream`` command, what it prints, the demos
 ``testing/``    the mock upstream, for the demo and for users' own tests
 =============== ======================================================================
@@ -24,3 +25,15 @@ variables, W3C trace context, log ids) and ``telemetry_sdk`` (its SDK providers 
 exporters, the ``otel`` extra). What backend services import is ``client``
 (``Client``, ``SyncClient``) and ``schemas``.
 """
+
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+
+
+@cache
+def package_version() -> str:
+    """chatstream's installed version (``unknown`` in a checkout never installed)."""
+    try:
+        return version("chatstream")
+    except PackageNotFoundError:
+        return "unknown"

@@ -420,15 +420,20 @@ class Client:
         upstream: str | None = None,
         limit: int = 20,
         before: float | None = None,
+        tenant: str | None = None,
+        since: float | None = None,
     ) -> JobPage:
-        """The newest jobs (enqueued before ``before``), optionally only those with this
-        status or upstream; examines at most the newest 10,000 entries of the index.
+        """The newest jobs (enqueued before ``before``, and at or after ``since``), optionally
+        only those with this status, upstream or tenant; examines at most the newest 10,000
+        entries of the index.
 
         Only jobs enqueued through ``enqueue`` (or a producer following docs/producers.md)
         within the retention period are listed.
         """
         wanted = None if status is None else JobStatus(status).value
-        return await self.index.page(status=wanted, upstream=upstream, limit=limit, before=before)
+        return await self.index.page(
+            status=wanted, upstream=upstream, tenant=tenant, limit=limit, before=before, since=since
+        )
 
     async def progress(self, job_id: str) -> Progress | None:
         """How far a running job got (entries, characters, elapsed); None unless running."""
@@ -615,9 +620,18 @@ class SyncClient:
         upstream: str | None = None,
         limit: int = 20,
         before: float | None = None,
+        tenant: str | None = None,
+        since: float | None = None,
     ) -> JobPage:
         return self._runner.run(
-            self._client.jobs(status=status, upstream=upstream, limit=limit, before=before)
+            self._client.jobs(
+                status=status,
+                upstream=upstream,
+                limit=limit,
+                before=before,
+                tenant=tenant,
+                since=since,
+            )
         )
 
     def progress(self, job_id: str) -> Progress | None:

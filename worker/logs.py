@@ -173,13 +173,25 @@ def secrets_of(settings: Settings) -> list[str]:
             for name, value in upstream.headers.items()
             if name.lower() in {"authorization", "x-api-key", "api-key"}
         )
-    if settings.gateway_api_keys is not None:
-        found.extend(k.strip() for k in settings.gateway_api_keys.get_secret_value().split(","))
+    for keys in (settings.gateway_api_keys, settings.dashboard_keys):
+        if keys is not None:
+            found.extend(_key_values(keys.get_secret_value()))
     url = urlsplit(settings.redis_url)
     passwords = [url.password or ""]
     passwords += [v for k, v in parse_qsl(url.query) if k.lower() in {"password", "ssl_password"}]
     for password in filter(None, passwords):
         found += [password, unquote(password)]
+    return found
+
+
+def _key_values(setting: str) -> list[str]:
+    """The keys of a comma-separated key list: each entry, and its key after a ``name=``."""
+    found = []
+    for entry in (e.strip() for e in setting.split(",")):
+        found.append(entry)
+        name, sep, key = entry.partition("=")
+        if sep and key and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            found.append(key)
     return found
 
 

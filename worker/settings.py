@@ -467,6 +467,19 @@ class Settings(BaseSettings):
         "this many seconds (of connecting, or of the previous response's end) is closed.",
     )
 
+    dashboard_host: str = Field(
+        "127.0.0.1", description="Address `chatstream dashboard` listens on."
+    )
+    dashboard_port: int = Field(
+        8310, ge=0, le=65_535, description="Port of `chatstream dashboard`."
+    )
+    dashboard_keys: SecretStr | None = Field(
+        None,
+        description="Keys that allow the dashboard's actions (cancel, requeue, delete, pause) "
+        "and show job content, comma-separated (`name=key` names who acted in the log; "
+        "`sha256:<hex>` is the SHA-256 of a key). Unset: the dashboard is read-only.",
+    )
+
     @field_validator("gateway_cors_origins", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:

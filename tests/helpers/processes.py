@@ -8,8 +8,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,6 +34,17 @@ async def stop_worker(process: subprocess.Popen[bytes], timeout: float = 5) -> i
     """SIGTERM; the exit code, which must come within ``timeout`` seconds."""
     process.send_signal(signal.SIGTERM)
     return await asyncio.to_thread(process.wait, timeout)
+
+
+@contextmanager
+def reaped(process: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """The process, killed at the end of the block if it still runs, and waited for."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
 
 
 def worker_env(redis_url: str, prefix: str, upstream_url: str, **settings: Any) -> dict[str, str]:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
@@ -27,6 +29,7 @@ from tests.helpers.gateway_env import chunks_of, content_of, running_gateway, ss
 from tests.helpers.harness import MOCK, Harness, chat, spread
 from worker.aio import cancel_and_wait
 from worker.client import Client
+from worker.dashboard import serve_dashboard
 from worker.service.worker import Worker
 from worker.settings import Settings
 from worker.store.batch import ConnectionSender
@@ -278,6 +281,46 @@ async def agreed(cluster: Cluster, slot: int, port: int) -> bool:
 # -- the gateway on a cluster ---------------------------------------------------------------------
 
 
+async def test_the_dashboard_reads_a_cluster_and_acts_on_it(on_cluster: Harness) -> None:
+    """The dashboard's reads (pipelined over the masters, a script per shard), a job's reply
+    through the hub's per-job readers, and its actions (a pause on every shard, a cancel)."""
+    h = on_cluster
+    settings = h.settings.model_copy(update={"dashboard_keys": SecretStr("sk-ops")})
+    consume = asyncio.create_task(h.worker.consume())
+    headers = {"x-chatstream-dashboard-key": "sk-ops"}
+    try:
+        async with (
+            serve_dashboard(settings, h.redis, host="127.0.0.1", port=0) as url,
+            httpx.AsyncClient(base_url=url, headers=headers, timeout=20) as http,
+        ):
+            slow = await h.client.enqueue(chat("slow", tokens=400, rate=40), tenant="a")
+            await eventually(lambda: running(h, slow))
+            assert (await http.post("/api/upstreams/default/pause")).json()["changed"]
+            held = [await h.client.enqueue(chat(), tenant="b", job_id=job_id)
+                    for job_id in spread(h.worker.keys, per_shard=1)]  # fmt: skip
+            overview = (await http.get("/api/overview")).json()
+            reply = ""
+            async with http.stream("GET", f"/api/jobs/{slow}/events") as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        reply += json.loads(line[6:])["data"].get("content", "")
+                    if len(reply) > 30:
+                        break
+            assert (await http.post(f"/api/jobs/{slow}/cancel")).json()["status"] == "requested"
+            assert (await http.post("/api/upstreams/default/resume")).json()["changed"]
+            for job_id in [slow, *held]:
+                await h.client.result(job_id, timeout=10)
+    finally:
+        h.worker.stopping.set()
+        await cancel_and_wait([consume])
+    totals = overview["totals"]
+    assert (totals["running"], totals["waiting"]) == (1, SHARDS)
+    assert [shard["waiting"] for shard in overview["shards"]] == [1] * SHARDS
+    assert overview["upstreams"][0]["paused_shards"] == SHARDS
+    assert reply.startswith("tok0 tok1")
+    assert (await h.client.get(slow)).status is JobStatus.CANCELLED
+
+
 async def test_the_gateway_streams_and_resumes_jobs_on_a_cluster(
     cluster3: Cluster, settings: Settings, mock_upstream: tuple[MockUpstream, str]
 ) -> None:
@@ -334,6 +377,29 @@ async def test_jobs_run_through_sentinel(on_sentinel: Harness, sentinel_set: Sen
     stored = sentinel_set.master.client.hget(h.worker.keys.job(ids[0]), "status")
     assert stored == "succeeded"  # on the master the Sentinels name
     await eventually(lambda: replicated(sentinel_set, h.worker.keys.job(ids[-1])))
+
+
+async def test_the_dashboard_reads_through_sentinel(on_sentinel: Harness) -> None:
+    """The dashboard on the master the Sentinels name: its overview, and a job's reply
+    replayed through the hub."""
+    h = on_sentinel
+    settings = h.settings.model_copy(update={"dashboard_keys": SecretStr("sk-ops")})
+    [done] = await run_all(h, requests(1))
+    failed = await h.client.enqueue(chat("no", fault="http_400"), tenant="b")
+    await h.worker.run_burst()
+    headers = {"x-chatstream-dashboard-key": "sk-ops"}
+    async with (
+        serve_dashboard(settings, h.redis, host="127.0.0.1", port=0) as url,
+        httpx.AsyncClient(base_url=url, headers=headers, timeout=20) as http,
+    ):
+        await h.worker.upkeep.flush_activity()
+        overview = (await http.get("/api/overview")).json()
+        replay = (await http.get(f"/api/jobs/{done}/events")).text
+        listed = (await http.get("/api/jobs", params={"status": "failed"})).json()["jobs"]
+    assert overview["totals"]["finished_last_hour"] == 2
+    assert overview["totals"]["failed_last_hour"] == 1
+    assert [row["name"] for row in overview["workers"]] == [h.worker.name]
+    assert '"type":"done"' in replay and [job["id"] for job in listed] == [failed]
 
 
 async def replicated(deployment: Sentinels, key: str) -> bool:

@@ -1,26 +1,22 @@
 """The page at ``/`` in a real headless Chromium (Debian's ``chromium``, driven by Playwright).
 
-The page's Content-Security-Policy forbids eval, so the test waits with Playwright's
-``expect`` (which runs in its own isolated world) rather than ``wait_for_function``.
-
 The reply renders live through ``EventSource``; a reload in the middle of the reply
 resumes after the last entry the page applied, without repeating or losing text.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, expect
 from redis.asyncio import Redis
 
 from schemas.jobs import JobStatus
+from tests.helpers.browser import text
 from tests.helpers.gateway_env import (
     KEY,
     SCRIPT_USAGE,
@@ -32,35 +28,7 @@ from tests.helpers.gateway_env import (
 from worker.settings import Settings
 from worker.testing.mock_upstream import MockConfig, MockUpstream, expected_reply, serve_mock
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-HAVE_CHROMIUM = os.path.exists(CHROMIUM)
-# headless as root in a closed network: no sandbox (needs user namespaces), nothing that
-# phones home
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-dev-shm-usage",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-default-apps",
-    "--disable-extensions",
-    "--disable-sync",
-    "--no-first-run",
-    "--no-default-browser-check",
-]
 SLOW = MockConfig(tokens=60, rate=25.0, words="streams survive reloads because Redis keeps them")
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    if not HAVE_CHROMIUM:
-        if os.environ.get("CI"):
-            pytest.fail("CI needs Debian's chromium (.ci/run installs it)")
-        pytest.skip("needs chromium (apt-get install chromium)")
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        await browser.close()
 
 
 @pytest.fixture
@@ -71,10 +39,6 @@ async def gw(settings: Settings, redis: Redis) -> AsyncIterator[GatewayEnv]:
         running_gateway(settings, redis, (app, url)) as env,
     ):
         yield env
-
-
-async def text(page: Page, selector: str) -> str:
-    return await page.text_content(selector) or ""
 
 
 async def test_the_page_streams_the_reply_and_a_reload_resumes_it(

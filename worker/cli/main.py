@@ -20,7 +20,6 @@ import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -28,7 +27,7 @@ from redis.exceptions import RedisError
 
 from schemas.events import EventType
 from schemas.jobs import JobRecord, JobStatus
-from worker import logs, speedups
+from worker import logs, package_version, speedups
 from worker.aio import cancel_and_wait
 from worker.cli.output import print_event, print_jobs, print_record
 from worker.client import Client, within
@@ -102,13 +101,6 @@ def stdout_closed() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return EXIT_BROKEN_PIPE
-
-
-def package_version() -> str:
-    try:
-        return version("chatstream")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -266,7 +258,11 @@ async def status_command(settings: Settings, args: argparse.Namespace) -> int:
 async def jobs_command(settings: Settings, args: argparse.Namespace) -> int:
     async with connected(settings) as client:
         page = await client.jobs(
-            status=args.status, upstream=args.upstream, limit=args.limit, before=args.before
+            status=args.status,
+            upstream=args.upstream,
+            tenant=args.tenant,
+            limit=args.limit,
+            before=args.before,
         )
     print_jobs(page, as_json=args.json)
     if page.next_before is not None:
@@ -331,12 +327,22 @@ async def mock_command(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def listening(settings: Settings, args: argparse.Namespace, server: str) -> Settings:
+    """The settings with ``--host`` / ``--port`` as ``<server>_host`` / ``<server>_port``."""
+    updates = {f"{server}_host": args.host, f"{server}_port": args.port}
+    return settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
+
+
 async def gateway_command(settings: Settings, args: argparse.Namespace) -> int:
     from worker.gateway import run_gateway
 
-    updates = {"gateway_host": args.host, "gateway_port": args.port}
-    settings = settings.model_copy(update={k: v for k, v in updates.items() if v is not None})
-    return await run_gateway(settings)
+    return await run_gateway(listening(settings, args, "gateway"))
+
+
+async def dashboard_command(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.dashboard import run_dashboard
+
+    return await run_dashboard(listening(settings, args, "dashboard"))
 
 
 async def demo_command(settings: Settings, args: argparse.Namespace) -> int:
@@ -362,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     for add in SUBCOMMANDS:
         add(sub)
     return parser
+
+
+def _add_dashboard(sub: Any) -> None:
+    p = sub.add_parser("dashboard", help="serve the operator's dashboard (live, from Redis)")
+    p.add_argument("--host", help="listen address (default: CHATSTREAM_DASHBOARD_HOST)")
+    p.add_argument("--port", type=int, help="listen port (default: CHATSTREAM_DASHBOARD_PORT)")
+    p.set_defaults(command=dashboard_command)
 
 
 def _add_gateway(sub: Any) -> None:
@@ -448,6 +461,7 @@ def _add_jobs(sub: Any) -> None:
     p = sub.add_parser("jobs", help="list jobs, newest first (from the jobs index)")
     p.add_argument("--status", choices=[status.value for status in JobStatus])
     p.add_argument("--upstream", help="only jobs for this upstream")
+    p.add_argument("--tenant", help="only jobs of this tenant")
     p.add_argument("--limit", type=positive_int, default=20, help="list at most this many")
     p.add_argument(
         "--before", type=float, help="only jobs enqueued before this time (Unix seconds)"
@@ -506,4 +520,5 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_dead,
     _add_mock_and_demo,
     _add_gateway,
+    _add_dashboard,
 ]

@@ -48,19 +48,25 @@ class ApiKey:
         return base64.urlsafe_b64encode(mac[:18]).decode()
 
 
-def _parse_entry(entry: str) -> ApiKey:
+def _parse_entry(entry: str, setting: str) -> ApiKey:
     named = _NAMED.fullmatch(entry)
     tenant, entry = (named.group(1), named.group(2)) if named else ("", entry)
     hashed = _HASHED.fullmatch(entry)
     if hashed:
         digest = bytes.fromhex(hashed.group(1))
     elif entry.lower().startswith("sha256:"):
-        raise ConfigError(
-            "invalid settings: CHATSTREAM_GATEWAY_API_KEYS: a sha256: entry needs 64 hex digits"
-        )
+        raise ConfigError(f"invalid settings: {setting}: a sha256: entry needs 64 hex digits")
     else:
         digest = hashlib.sha256(entry.encode()).digest()
     return ApiKey(id="k" + digest.hex()[:16], digest=digest, tenant=tenant)
+
+
+def parse_keys(
+    value: SecretStr | None, setting: str = "CHATSTREAM_GATEWAY_API_KEYS"
+) -> list[ApiKey]:
+    """The keys of a comma-separated key setting (none when it is unset or empty)."""
+    entries = [e.strip() for e in (value.get_secret_value() if value else "").split(",")]
+    return [_parse_entry(entry, setting) for entry in entries if entry]
 
 
 class ApiKeys:
@@ -71,8 +77,7 @@ class ApiKeys:
     @classmethod
     def from_setting(cls, value: SecretStr | None) -> ApiKeys:
         """The keys of ``CHATSTREAM_GATEWAY_API_KEYS``; ConfigError when there are none."""
-        entries = [e.strip() for e in (value.get_secret_value() if value else "").split(",")]
-        keys = [_parse_entry(entry) for entry in entries if entry]
+        keys = parse_keys(value)
         if not keys:
             raise ConfigError(
                 "the gateway needs API keys: set CHATSTREAM_GATEWAY_API_KEYS "

@@ -8,8 +8,9 @@ the text so far in ``sessionStorage``, so a reload resumes after that id.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from importlib import resources
+from importlib.resources.abc import Traversable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -33,9 +34,14 @@ FILES = {
 
 
 def page_routes() -> list[Route]:
+    return static_routes(STATIC, FILES)
+
+
+def static_routes(folder: Traversable, files: Mapping[str, tuple[str, str]]) -> list[Route]:
+    """A route per file (path -> (file name, media type)), served with the headers above."""
     routes = []
-    for path, (name, media_type) in FILES.items():
-        body = (STATIC / name).read_bytes()
+    for path, (name, media_type) in files.items():
+        body = (folder / name).read_bytes()
         routes.append(Route(path, _serve(body, media_type), methods=["GET"]))
     return routes
 

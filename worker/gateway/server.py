@@ -86,8 +86,8 @@ async def serve_gateway(
     sock = bind(host, settings.gateway_port if port is None else port, backlog=4096)
     server = EmbeddedServer(_config(settings, redis), name="gateway", grace=SHUTDOWN_GRACE_SECONDS)
     async with served(server, sock) as bound:
-        yield _base_url(host, bound)
+        yield base_url(host, bound)
 
 
-def _base_url(host: str, port: int) -> str:
+def base_url(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -86,8 +86,10 @@ class EntryFate:
             log.warning("job %s runs under another queue entry; dropping %s", job_id, entry.ref)
         elif started.state in ("exhausted", "invalid"):  # failed by the start script
             logs.set_attempt(started.attempt)
-            log_failure(job_id, started.attempt, started.upstream, json.loads(started.error))
-            self.metrics.job_failed_unstarted()
+            error = json.loads(started.error)
+            log_failure(job_id, started.attempt, started.upstream, error)
+            code = str(error.get("code", "error")) if isinstance(error, dict) else "error"
+            self.metrics.job_failed_unstarted(entry.tenant, started.upstream, code)
 
     async def settle(self, held: HeldEntry, job: Attempt, outcome: Outcome) -> None:
         """An entry whose attempt ran: ack it, requeue it (released) or check the record."""

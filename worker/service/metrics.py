@@ -40,6 +40,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from schemas.jobs import TERMINAL
 from worker.errors import ChatstreamError, ProtocolError, UpstreamError
+from worker.store.activity import Finished, Tally
 from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
 from worker.store.scheduler import Scheduler, ShardCounts, TargetDown
@@ -291,6 +292,7 @@ class Metrics:
             registry=r,
         )
         self._init_counters(r)
+        self.activity = Tally()  # the per-minute counts in Redis (the dashboard's charts)
         self.queue = QueueGauges()
         r.register(self.queue)
         ProcessCollector(registry=r)
@@ -379,12 +381,38 @@ class Metrics:
             if timing.deltas > 1 and now > first:
                 self.delta_rate.observe((timing.deltas - 1) / (now - first))
 
+    def job_ended(
+        self,
+        status: str,
+        timing: JobTiming,
+        *,
+        tenant: str,
+        upstream: str,
+        usage: Any = None,
+        code: str | None = None,
+    ) -> None:
+        """A job's end in the per-minute activity counts (``code``: a failed job's)."""
+        completion = _token_count(usage, "completion_tokens")
+        first = timing.first_delta
+        self.activity.finished(
+            Finished(
+                status,
+                tenant,
+                self.upstream_label(upstream),
+                completion if completion is not None else timing.deltas,
+                _token_count(usage, "prompt_tokens") or 0,
+                None if first is None else first - timing.started,
+                code,
+            )
+        )
+
     def job_missing(self) -> None:
         self.missing.inc()
 
-    def job_failed_unstarted(self) -> None:
+    def job_failed_unstarted(self, tenant: str, upstream: str, code: str) -> None:
         """A job the runner failed without running it (attempts exhausted)."""
         self.jobs.labels("failed").inc()
+        self.activity.finished(Finished("failed", tenant, self.upstream_label(upstream), code=code))
 
     def delivered(self, entry_ids: Iterable[str]) -> None:
         """Queue wait of freshly read entries (their stream ids are Redis milliseconds)."""
@@ -468,6 +496,11 @@ class Metrics:
 
 
 # -- the HTTP server ----------------------------------------------------------------------
+
+
+def _token_count(usage: Any, name: str) -> int | None:
+    count = usage.get(name) if isinstance(usage, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
 
 def _upstream_of(exc: BaseException) -> str | None:

@@ -95,6 +95,7 @@ class Attempt:
     model: str = ""  # the model its request names (a route's target may send another)
     tokens: int = 0  # its prompt and completion tokens, as the limits estimate them
     delivery: int = 1  # its queue entry's delivery count (more than 1: taken over)
+    tenant: str = "default"
 
     def attempt_now(self) -> int:
         return self.attempt
@@ -425,6 +426,15 @@ async def write_terminal(
         return Outcome.STALE
     status = terminal.fields["status"]
     services.metrics.job_finished(status, job.timing)
+    error_data = terminal.event_data.get("error")
+    services.metrics.job_ended(
+        status,
+        job.timing,
+        tenant=job.tenant,
+        upstream=job.upstream,
+        usage=final.usage if final is not None else None,
+        code=error_data.get("code") if isinstance(error_data, dict) else None,
+    )
     if job.route is not None and "served" in terminal.event_data:
         services.metrics.route_job(job.route.name, terminal.event_data["served"], status)
     if final is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard
 from urllib.parse import urlsplit
 
-from worker import telemetry
+from worker import package_version, telemetry
 from worker.errors import ChatstreamError, UnknownUpstreamError
 from worker.settings import Settings
 
@@ -143,7 +143,7 @@ class Tracing(NoTracing):
         # exemplars (a metric point naming a span) only when the operator picks a filter:
         # each costs about a third of a record, and the span's attributes hold the same
         self._exemplars = bool(os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER"))
-        version = _version()
+        version = package_version()
         self._tracer = trace.get_tracer(
             "chatstream", version, tracer_provider, schema_url=telemetry.SCHEMA_URL
         )
@@ -430,12 +430,3 @@ def _code(exc: BaseException) -> str:
 
 def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("chatstream")
-    except PackageNotFoundError:
-        return "unknown"

@@ -2,9 +2,12 @@
 
 Three tasks run beside the consumer for as long as the worker does:
 
-- the heartbeat (every ``heartbeat_seconds``) writes this worker's heartbeat and learns
-  which workers stopped (``worker/store/liveness.py``); their queue entries are taken over
-  at once, up to the free capacity (the consumer takes over the rest first on its next read);
+- the heartbeat (every ``heartbeat_seconds``) writes this worker's heartbeat with its report
+  (slots in use, jobs waiting for a down upstream, version, start: the dashboard's workers
+  panel) and learns which workers stopped (``worker/store/liveness.py``); their queue
+  entries are taken over at once, up to the free capacity (the consumer takes over the rest
+  first on its next read). Then the jobs that ended since are added to the per-minute
+  activity counts (``worker/store/activity.py``): one script call per second at most;
 - maintenance (every third of a lease) renews the leases of the entries this worker runs,
   adopts entries delivered to it but never seen, prunes the group's consumers of workers
   long gone, polls cancel flags (a fallback for the pub/sub message), refreshes the queue
@@ -17,9 +20,10 @@ None of them may stop on an error: a failed round is logged and tried again.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
@@ -28,6 +32,7 @@ from worker.retry import REDIS_WAIT, often_enough, pause
 from worker.service.entries import HeldEntry
 from worker.service.metrics import Metrics
 from worker.settings import Settings
+from worker.store.activity import ActivityLog
 from worker.store.keys import Keys
 from worker.store.liveness import Liveness
 from worker.store.queue import Entry, Queue
@@ -59,12 +64,15 @@ class Host(Protocol):
 
     def launch(self, entry: Entry) -> None: ...
 
+    def report(self) -> dict[str, Any]: ...
+
 
 class Upkeep:
     def __init__(self, host: Host) -> None:
         self.host = host
         self.dead: list[str] = []  # workers whose heartbeat stopped, holding entries
         self._pruned_at = time.monotonic()
+        self.activity = ActivityLog(host.redis, host.keys)
 
     @property
     def lease_ms(self) -> int:
@@ -86,6 +94,7 @@ class Upkeep:
             try:
                 await self.beat()
                 failures = 0
+                await self.flush_activity()
             except RedisError as exc:
                 failures += 1
                 if often_enough(failures):
@@ -94,9 +103,22 @@ class Upkeep:
                 log.exception("heartbeat failed unexpectedly")
             await asyncio.sleep(self.host.settings.heartbeat_seconds)
 
+    async def flush_activity(self) -> None:
+        """Add the jobs that ended since the last flush to the per-minute counts (kept for
+        the next flush when Redis refuses them)."""
+        tally = self.host.metrics.activity
+        pending = sorted(tally.take().items())
+        for index, (minute, counts) in enumerate(pending):
+            try:
+                await self.activity.add(minute, counts)
+            except BaseException:
+                tally.give_back(dict(pending[index:]))
+                raise
+
     async def beat(self) -> None:
         host = self.host
-        beat = await host.liveness.beat()
+        info = json.dumps(host.report(), separators=(",", ":"))
+        beat = await host.liveness.beat(info)
         if beat.fresh and any(held.claimed for held in host.running.values()):
             log.warning("this worker had been declared dead; checking its leases")
             await self.renew_leases()

@@ -19,11 +19,12 @@ import secrets
 import signal
 import socket
 import time
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from worker import logs, telemetry
+from worker import logs, package_version, telemetry
 from worker.aio import cancel_and_wait
 from worker.retry import retry_redis
 from worker.service.entries import EntryFate, HeldEntry
@@ -117,6 +118,8 @@ class Worker:
         self.ticks = WakeCoalescer(settings.wake_tick_ms / 1000, lambda: bool(self.running))
         self.running: dict[str, HeldEntry] = {}
         self.processed = 0
+        self.started_at = time.time()
+        self._redact = logs.RedactFilter(logs.secrets_of(settings)).redact
         self.stopping = asyncio.Event()
         self.cannot_consume: str | None = None  # why the last queue read failed (readyz)
         self._read_failed = False  # since then, Redis may serve reads we gave up on
@@ -192,6 +195,8 @@ class Worker:
         self.ticks.stop()
         await self.publisher.stop()
         await self.replication.aclose()
+        with contextlib.suppress(RedisError):
+            await self.upkeep.flush_activity()  # the last jobs' ends
         await self._leave()
         await self.upstream.aclose()
         if self.http is not None:
@@ -360,6 +365,7 @@ class Worker:
             job_id, started.attempt, started.request, started.upstream, stream, entry=entry
         )
         job.delivery = delivery
+        job.tenant = entry.tenant
         notices = WaitingNotices(
             self.records,
             job_id,
@@ -423,6 +429,33 @@ class Worker:
         if job.route is not None and job.route.waiting_since is not None:
             return RouteOutage(job.route)
         return self.upstream.down_gate(job.upstream, job.model)
+
+    def report(self) -> dict[str, Any]:
+        """What this worker says about itself beside each heartbeat (the dashboard's workers
+        panel): its slots and how many are busy, the jobs it holds that wait for a down
+        upstream, which upstreams it finds down (for how long, the last error: secrets
+        masked), its version, host, pid and start (Unix seconds, its own clock)."""
+        down = {
+            gate.name: {
+                "for": round(time.monotonic() - gate.down_since, 1),
+                "error": self._redact(gate.last_error)[:300],
+                "waiting": gate.waiting,
+            }
+            for gate in self.upstream.gates.values()
+            if gate.down_since is not None
+        }
+        return {
+            "version": package_version(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": round(self.started_at, 3),
+            "slots": self.settings.concurrency,
+            "busy": len(self.running) - self.slots.waiting,
+            "waiting": self.slots.waiting,
+            "processed": self.processed,
+            "stopping": self.stopping.is_set(),
+            "down": down,
+        }
 
     def _running_by_tenant(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -13,6 +13,8 @@ limits) that talk to it.
 ``cluster_batch`` the same on a Cluster: one packed write per master, MOVED/ASK followed
 ``jobs``          the jobs index and a running job's progress
 ``stats``         ``chatstream stats``: the queue and the fleet at a glance
+``fleet``         the dashboard's reads: shards, tenants, limits and their use, workers
+``activity``      the per-minute counts the workers keep (the dashboard's charts)
 ``lua/``          the Lua scripts, one ``.lua`` file each, loaded once
 ================= ====================================================================
 """

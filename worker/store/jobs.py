@@ -34,6 +34,8 @@ INDEX_ADD = lua.script("jobs/index_add")
 SUMMARY_FIELDS = (
     "status",
     "upstream",
+    "tenant",
+    "priority",
     "attempt",
     "created_at",
     "started_at",
@@ -52,6 +54,8 @@ class JobSummary:
     id: str
     status: str
     upstream: str
+    tenant: str
+    priority: str
     attempt: int
     created_at: float | None
     started_at: float | None
@@ -137,21 +141,26 @@ class JobIndex:
         *,
         status: str | None = None,
         upstream: str | None = None,
+        tenant: str | None = None,
         limit: int = 20,
         before: float | None = None,
+        since: float | None = None,
         scan: int = SCAN_LIMIT,
     ) -> JobPage:
-        """The newest ``limit`` jobs enqueued before ``before`` that match; at most ``scan``
-        index entries are examined (then ``next_before`` says where to go on)."""
+        """The newest ``limit`` jobs enqueued before ``before`` (and at or after ``since``)
+        that match; at most ``scan`` index entries are examined (then ``next_before`` says
+        where to go on)."""
         found: list[JobSummary] = []
         cursor = f"({before!r}" if before is not None else "+inf"
+        floor = "-inf" if since is None else repr(since)
+        wanted = {"status": status, "upstream": upstream, "tenant": tenant}
         examined, last = 0, None
         while examined < scan:
-            rows, more = await self._newest(cursor, min(PAGE, scan - examined))
+            rows, more = await self._newest(cursor, min(PAGE, scan - examined), floor)
             examined += len(rows)
             for (_, score), summary in zip(rows, await self._summaries(rows), strict=True):
                 last = float(score)
-                if summary is not None and _matches(summary, status, upstream):
+                if summary is not None and _matches(summary, wanted):
                     found.append(summary)
                     if len(found) == limit:
                         return JobPage(found, last)
@@ -160,14 +169,15 @@ class JobIndex:
             cursor = f"({last!r}"
         return JobPage(found, last)
 
-    async def _newest(self, cursor: str, count: int) -> tuple[list[Any], bool]:
-        """The newest ``count`` entries of all shards' indexes below ``cursor`` (and any that
-        tie with the last of them), newest first; whether older ones may follow."""
+    async def _newest(self, cursor: str, count: int, floor: str) -> tuple[list[Any], bool]:
+        """The newest ``count`` entries of all shards' indexes below ``cursor`` and at or above
+        ``floor`` (and any that tie with the last of them), newest first; whether older ones
+        may follow."""
         rows: list[Any] = []
         more = False
         for shard in range(self.keys.shards):
             part: Any = await self.redis.zrevrangebyscore(
-                self.keys.jobs_shard(shard), cursor, "-inf", start=0, num=count, withscores=True
+                self.keys.jobs_shard(shard), cursor, floor, start=0, num=count, withscores=True
             )
             rows += part
             more = more or len(part) == count
@@ -188,10 +198,8 @@ class JobIndex:
         return [_summary(as_text(row[0]), raw) for row, raw in zip(rows, replies, strict=True)]
 
 
-def _matches(summary: JobSummary, status: str | None, upstream: str | None) -> bool:
-    return (status is None or summary.status == status) and (
-        upstream is None or summary.upstream == upstream
-    )
+def _matches(summary: JobSummary, wanted: dict[str, str | None]) -> bool:
+    return all(value is None or getattr(summary, name) == value for name, value in wanted.items())
 
 
 def _summary(job_id: str, values: list[Any]) -> JobSummary | None:
@@ -205,6 +213,8 @@ def _summary(job_id: str, values: list[Any]) -> JobSummary | None:
         id=job_id,
         status=raw["status"] or "?",
         upstream=raw["upstream"] or "default",
+        tenant=raw["tenant"] or "default",
+        priority=raw["priority"] or "normal",
         attempt=int(attempt) if (attempt := raw["attempt"] or "").isdigit() else 0,
         created_at=_float(raw["created_at"]),
         started_at=_float(raw["started_at"]),

@@ -64,6 +64,17 @@ class Keys:
         return f"{self.prefix}:workers"
 
     @property
+    def workers_info(self) -> str:
+        """Hash: worker name -> what it reports beside its heartbeat (JSON: slots, jobs
+        waiting for a down upstream, version, start). Tagged with the ``workers`` key's own
+        name, so it lies in that key's slot and one script writes both."""
+        return f"{self.prefix}:workers:info:{{{self.workers}}}"
+
+    def activity(self, minute: int) -> str:
+        """Hash: the fleet's counts of one Unix minute (``worker/store/activity.py``)."""
+        return f"{self.prefix}:activity:{minute}"
+
+    @property
     def jobs(self) -> str:
         """Sorted set: job id -> enqueue time (Unix seconds); shard 0's index ``jobs`` lists."""
         return f"{self.prefix}:jobs"

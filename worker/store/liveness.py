@@ -71,11 +71,13 @@ class Liveness:
         except ResponseError:
             self._beat = self.redis.register_script(BEAT)
 
-    async def beat(self) -> Beat:
-        """Write this worker's heartbeat; the workers it may declare dead."""
+    async def beat(self, info: str = "") -> Beat:
+        """Write this worker's heartbeat (and ``info``, what it reports about itself: JSON);
+        the workers it may declare dead."""
         try:
             reply: Any = await self._beat(
-                keys=[self.keys.workers], args=[self.name, self.timeout, MAX_DEAD]
+                keys=[self.keys.workers, self.keys.workers_info],
+                args=[self.name, self.timeout, MAX_DEAD, info],
             )
         except BaseException:
             self._beating_since = None
@@ -90,7 +92,9 @@ class Liveness:
 
     async def forget(self, name: str) -> bool:
         """Remove a dead worker from the set (it holds no more entries)."""
-        return int(await self._forget(keys=[self.keys.workers], args=[name, self.timeout])) == 1
+        keys = [self.keys.workers, self.keys.workers_info]
+        return int(await self._forget(keys=keys, args=[name, self.timeout])) == 1
 
     async def leave(self) -> None:
         await self.redis.zrem(self.keys.workers, self.name)
+        await self.redis.hdel(self.keys.workers_info, self.name)

@@ -47,6 +47,7 @@ ROUTE = lua.script("sched/route", with_lib=True)
 TRIP = lua.script("sched/trip", with_lib=True)
 HEAL = lua.script("sched/heal", with_lib=True)
 _DOWN = ("until", "since", "why", "probe")  # a breaker's fields targets_down reads
+PAUSE = lua.script("sched/pause", with_lib=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,7 @@ class Scheduler:
         self._route: AsyncScript = redis.register_script(ROUTE)
         self._trip: AsyncScript = redis.register_script(TRIP)
         self._heal: AsyncScript = redis.register_script(HEAL)
+        self._pause: AsyncScript = redis.register_script(PAUSE)
 
     def shard_keys(self, shard: int) -> list[str]:
         return [self.keys.queue_shard(shard), self.keys.sched(shard)]
@@ -307,6 +309,30 @@ class Scheduler:
             down = int(until is not None and (until > now or bool(row[3])))
             found.append(TargetDown(route, upstream, model, down, since, until, row[2]))
         return found
+
+    async def pause(self, upstream: str) -> bool:
+        """Dispatch nothing more to ``upstream``, on every shard, until ``resume``; False when
+        it was paused already. Jobs out of the queue go on; a running job's retries too."""
+        changed = [await self._pause(keys=self.shard_keys(shard), args=["pause", upstream])
+                   for shard in range(self.keys.shards)]  # fmt: skip
+        return any(int(done) for done in changed)
+
+    async def resume(self, upstream: str) -> bool:
+        """Dispatch to ``upstream`` again (waking the queue); False when it was not paused."""
+        changed = [await self._pause(keys=self.shard_keys(shard), args=["resume", upstream])
+                   for shard in range(self.keys.shards)]  # fmt: skip
+        return any(int(done) for done in changed)
+
+    async def paused(self) -> dict[str, float]:
+        """The paused upstreams and since when (Unix seconds; the earliest of the shards'),
+        also those paused on some shards only (a pause cut short: pause again)."""
+        since: dict[str, float] = {}
+        for shard in range(self.keys.shards):
+            raw: dict[Any, Any] = await self.redis.hgetall(self.keys.sched(shard) + ":paused")
+            for name, ms in raw.items():
+                when = int(as_text(ms)) / 1000
+                since[as_text(name)] = min(when, since.get(as_text(name), when))
+        return since
 
     async def spend(self, shard: int, upstream: str, entry_id: str, tokens: int) -> None:
         """A job's real token usage in place of the estimate it was admitted on."""

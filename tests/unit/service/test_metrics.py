@@ -330,7 +330,7 @@ async def test_no_server_without_a_port_and_registries_are_per_worker(
     finally:
         await first.shutdown()
     await second.upstream.aclose()
-    first.metrics.job_failed_unstarted()
+    first.metrics.job_failed_unstarted("acme", "default", "attempts_exhausted")
     assert first.metrics.registry.get_sample_value("chatstream_jobs_total", {"status": "failed"})
     assert (
         second.metrics.registry.get_sample_value("chatstream_jobs_total", {"status": "failed"}) == 0

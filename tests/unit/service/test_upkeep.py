@@ -55,6 +55,9 @@ class FakeHost:
     def launch(self, entry: Entry) -> None:
         self.launched.append(entry)
 
+    def report(self) -> dict[str, Any]:
+        return {"slots": self.free}
+
 
 @pytest.fixture
 async def host(settings: Settings, redis: Redis) -> AsyncIterator[FakeHost]:

@@ -246,6 +246,39 @@ async def test_a_429_pauses_the_upstream_for_every_worker(settings: Settings, re
     assert time.monotonic() - began < 1.5
 
 
+async def test_an_operators_pause_holds_an_upstream_on_every_shard_until_resumed(
+    settings: Settings, redis: Redis
+) -> None:
+    """A paused upstream (even one without limits) gets nothing dispatched, on any shard,
+    while the other upstreams' jobs go on; a resume wakes a worker blocked on the stream."""
+    fast = Upstream(url="http://127.0.0.1:9/v1")
+    queue = await scheduled(settings, redis, upstreams={"fast": fast}, queue_shards=2)
+    scheduler = queue.scheduler
+    began = time.time()
+    assert await scheduler.pause("default") is True
+    assert await scheduler.pause("default") is False  # paused already: "since" stays
+    since = await scheduler.paused()
+    assert list(since) == ["default"] and began - 1 < since["default"] <= time.time() + 1
+    jobs = [(f"d{i}", "default") for i in (0, 1, 4, 5)] + [(f"f{i}", "fast") for i in range(2)]
+    for job_id, upstream in jobs:
+        await scheduler.push(job_id, Waiting("t", upstream, 1, None), "normal")
+    assert {queue.keys.shard_of(job_id) for job_id, _ in jobs} == {0, 1}
+    taken = [e.job_id for e in await queue.read(10, None)]
+    assert sorted(taken, key=str) == ["f0", "f1"]
+    assert (await scheduler.counts()).upstreams == {"default": 4}
+
+    reading = asyncio.create_task(queue.read(10, 5_000))
+    await asyncio.sleep(0.2)
+    began = time.monotonic()
+    assert await scheduler.resume("default") is True
+    woken = [e.job_id for e in await reading]
+    assert woken and time.monotonic() - began < 1.0, woken  # at once, not after the block
+    assert await scheduler.paused() == {}
+    assert await scheduler.resume("default") is False
+    rest = [e.job_id for e in await queue.read(10, None)]
+    assert sorted([*woken, *rest], key=str) == ["d0", "d1", "d4", "d5"]
+
+
 async def test_an_upstream_without_limits_is_not_held_back_by_anothers(
     settings: Settings, redis: Redis
 ) -> None:

@@ -2,8 +2,9 @@
 
 A folder per owner: ``records/`` (the job record and events stream, fenced), ``queue/``
 (leases, claims, take-over), ``sched/`` (tenants' queues, fair picks, upstream limits),
-``liveness/`` (heartbeats), ``jobs/`` (the jobs index), ``replication/`` (the replica check)
-and ``limits/`` (the gateway's rate limiter). Each file opens with what its ``KEYS`` and
+``liveness/`` (heartbeats and the workers' reports), ``jobs/`` (the jobs index),
+``replication/`` (the replica check), ``limits/`` (the gateway's rate limiter) and
+``activity/`` (the per-minute counts). Each file opens with what its ``KEYS`` and
 ``ARGV`` are and what it returns. Every script touches the keys of one Cluster slot only.
 Scripts that need the scheduler's shared functions get ``SCHEDULER_LIB`` prepended.
 """

@@ -25,6 +25,8 @@
 --   gcra:<u>        string: when u's next request is due at the steady rate (ms; GCRA)
 --   tpm:<u>         zset: entry id -> time (ms); tpmt:<u> hash: entry id -> tokens, total
 --   cool:<u>        string with a TTL: u answered 429; nothing is sent to it until it expires
+--   paused          hash: u -> when an operator paused it (ms); nothing is sent to it until
+--                   resumed (sched/pause.lua)
 local K, S = KEYS[1], KEYS[2]
 local GROUP = 'workers'
 local MINUTE = 60000
@@ -45,6 +47,8 @@ local function load_config()
   local flat = redis.call('HGETALL', S .. ':config')
   local c = {limits = {}, weights = {}, routes = {}, lease_ms = 30000, est = 1024,
     max_queued = 0, burst_ms = 500}
+  c.paused = {}
+  for _, u in ipairs(redis.call('HKEYS', S .. ':paused')) do c.paused[u] = true end
   for i = 1, #flat, 2 do
     local f, v = flat[i], flat[i + 1]
     local kind, name = string.sub(f, 1, 2), string.sub(f, 3)
@@ -147,8 +151,10 @@ local function rpm_wait(c, lim, u, now)
 end
 
 -- 0 when upstream u admits a call of `tokens` tokens now; else how long until a time-bound
--- limit may admit it (ms), or -1 while all its permits are held (a settle frees one).
+-- limit may admit it (ms), or -1 while all its permits are held (a settle frees one) or an
+-- operator paused it (its resume wakes the queue).
 local function blocked(c, u, tokens, now)
+  if c.paused[u] then return -1 end
   local lim = c.limits[u]
   if not lim then return 0 end
   local cool = redis.call('PTTL', S .. ':cool:' .. u)
