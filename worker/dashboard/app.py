@@ -41,7 +41,8 @@ from worker.urls import redacted_url
 log = logging.getLogger("chatstream.dashboard")
 
 _JOB_ID = re.compile(JOB_ID_PATTERN)
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a tenant's
+_UPSTREAM = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")  # an upstream's name, or a route's
 STATUSES = frozenset(status.value for status in JobStatus)
 TERMINAL_VALUES = frozenset(status.value for status in TERMINAL)
 SEND_TIMEOUT = 60.0  # seconds a page may take no bytes before its stream is dropped
@@ -113,7 +114,8 @@ def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
 
 def _filter(request: Request, name: str, allowed: frozenset[str] | None = None) -> str | None:
     value = request.query_params.get(name) or None
-    if value is not None and not (value in allowed if allowed else _NAME.fullmatch(value)):
+    pattern = _UPSTREAM if name == "upstream" else _NAME
+    if value is not None and not (value in allowed if allowed else pattern.fullmatch(value)):
         raise DashboardError(400, f"no such {name}: {value!r}", "invalid_parameter")
     return value
 
@@ -281,12 +283,16 @@ async def resume_upstream(request: Request) -> Response:
 
 
 async def _pause(request: Request, *, pause: bool) -> Response:
-    """Pause or resume an upstream for the whole fleet (every shard's scheduler)."""
+    """Pause or resume an upstream, or a route, for the whole fleet (every shard's
+    scheduler)."""
     key = operator_of(request)
     name = request.path_params["name"]
-    if not _NAME.fullmatch(name):
-        raise DashboardError(404, f"no upstream {name!r}", "upstream_not_found")
     scheduler = dashboard_of(request).client.queue.scheduler
+    known = _UPSTREAM.fullmatch(name) and (
+        name in (await scheduler.served() or []) or (not pause and name in await scheduler.paused())
+    )
+    if not known:  # (a name the workers do not serve would be held in Redis for nothing)
+        raise DashboardError(404, f"no upstream or route {name!r}", "upstream_not_found")
     changed = await (scheduler.pause(name) if pause else scheduler.resume(name))
     verb = "paused" if pause else "resumed"
     if changed:
@@ -351,8 +357,8 @@ ROUTES = [
     Route("/api/jobs/{job_id}/requeue", requeue_job, methods=["POST"]),
     Route("/api/dead", list_dead, methods=["GET"]),
     Route("/api/dead/{entry}/delete", delete_dead_letter, methods=["POST"]),
-    Route("/api/upstreams/{name}/pause", pause_upstream, methods=["POST"]),
-    Route("/api/upstreams/{name}/resume", resume_upstream, methods=["POST"]),
+    Route("/api/upstreams/{name:path}/pause", pause_upstream, methods=["POST"]),
+    Route("/api/upstreams/{name:path}/resume", resume_upstream, methods=["POST"]),
 ]
 
 

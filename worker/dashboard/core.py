@@ -102,6 +102,7 @@ class Dashboard:
         """One read of the fleet (the loop's ``tick``-th): the overview, encoded."""
         fleet = await self.fleet.read_shards()
         use = await self.fleet.read_use(fleet)
+        targets = await self.fleet.read_targets(fleet)
         await self._read_waiting(fleet)
         if tick % SLOW_EVERY == 0:
             await self._read_minutes(int(fleet.now // 60))
@@ -109,7 +110,7 @@ class Dashboard:
             self._dead_stale = False
             await self._read_dead_letters()
         self.latest = fleet
-        overview = build(fleet, use, self.slow, self.settings.heartbeat_timeout)
+        overview = build(fleet, use, self.slow, self.settings.heartbeat_timeout, targets)
         return self.encode(overview)
 
     async def _read_waiting(self, fleet: Fleet) -> None:

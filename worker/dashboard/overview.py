@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.store.activity import STATUSES, merge, per_name, quantile, series, ttft_histogram
-from worker.store.fleet import Fleet, Shard, Use, Waiting
+from worker.store.fleet import Fleet, Shard, TargetHealth, Use, Waiting
 
 TOP_TENANTS = 100  # tenant rows in the live overview (all of them: /api/tenants)
 HOUR = 60  # minutes
@@ -35,9 +35,14 @@ class Slow:
 
 
 def build(
-    fleet: Fleet, use: Mapping[tuple[int, str], Use], slow: Slow, timeout: float
+    fleet: Fleet,
+    use: Mapping[tuple[int, str], Use],
+    slow: Slow,
+    timeout: float,
+    targets: Mapping[tuple[str, str], TargetHealth] | None = None,
 ) -> dict[str, Any]:
-    """The overview as JSON-ready values (``timeout``: the workers' heartbeat timeout)."""
+    """The overview as JSON-ready values (``timeout``: the workers' heartbeat timeout;
+    ``targets``: the breaker's state of the routes' targets)."""
     minute = int(fleet.now // 60)
     hour = last_hour(slow, minute)
     tenants = tenant_rows(fleet, slow)
@@ -47,7 +52,10 @@ def build(
         "totals": _totals(fleet, slow, minute, len(tenants), workers),
         "shards": [_shard_row(shard, slow, fleet.now) for shard in fleet.shards],
         "tenants": tenants[:TOP_TENANTS],
-        "upstreams": upstream_rows(fleet, use, per_name(hour, "u")),
+        "upstreams": [
+            *upstream_rows(fleet, use, per_name(hour, "u")),
+            *route_rows(fleet, targets or {}, per_name(hour, "r")),
+        ],
         "workers": workers,
         "activity": series(slow.minutes, minute - HOUR + 1, HOUR, 1).to_json(),
         "waiting_at": min(slow.waiting_at.values(), default=None),
@@ -182,6 +190,90 @@ def _upstream_row(
         "cooling_ms": max((u.cooling_ms for u in _uses(name, shards, use)), default=0),
         "down": _down(name, fleet),
         "last_hour": hour or {"n": 0, "f": 0, "tok": 0},
+    }
+
+
+def route_rows(
+    fleet: Fleet,
+    targets: Mapping[tuple[str, str], TargetHealth],
+    hour: Mapping[str, dict[str, int]],
+) -> list[dict[str, Any]]:
+    """A row per route the workers publish, then one per target of it: the breaker's state
+    (down since when and why, a probe trying it), the jobs waiting for the route and
+    running on it, what ended and how many fallbacks were taken in the last hour."""
+    shards = fleet.shards
+    rows = []
+    routes = shards[0].routes() if shards else {}
+    for name, route in sorted(routes.items()):
+        paused = [shard.paused[name] for shard in shards if name in shard.paused]
+        listed = [*route.get("t", []), *([route["c"]] if route.get("c") else [])]
+        states = [_target_row(name, t, targets, fleet.now, i) for i, t in enumerate(listed)]
+        down = [row for row in states if row["down"] is not None]
+        rows.append(
+            {
+                "kind": "route",
+                "name": name,
+                "target": route.get("s", "fallback"),
+                "served": True,
+                "limits": dict.fromkeys(LIMIT_NAMES),
+                "use": {"permits": 0, "requests_last_minute": 0, "tokens_last_minute": 0},
+                "waiting": sum(shard.upstreams.get(name, 0) for shard in shards),
+                "running": sum(shard.running_routes.get(name, 0) for shard in shards),
+                "paused_since": min(paused) if paused else None,
+                "paused_shards": len(paused),
+                "cooling_ms": 0,
+                "down": None,
+                "targets_down": len(down),
+                "targets": len(states),
+                "last_hour": hour.get(name) or {"n": 0, "f": 0, "tok": 0, "fb": 0},
+            }
+        )
+        rows += states
+    return rows
+
+
+def _target_row(
+    route: str,
+    target: list[Any],
+    targets: Mapping[tuple[str, str], TargetHealth],
+    now: float,
+    index: int,
+) -> dict[str, Any]:
+    upstream, model = str(target[0]), str(target[1])
+    health = targets.get((upstream, model), TargetHealth())
+    skipped = health.down_until is not None and (health.down_until > now * 1000 or health.probing)
+    down = None
+    if skipped:
+        since = (health.since or int(now * 1000)) / 1000
+        down = {
+            "since": since,
+            "until": (health.down_until or 0) / 1000,
+            "error": health.why,
+            "probing": health.probing,
+            "whole_upstream": health.whole_upstream,
+            "workers": 0,
+            "waiting": 0,
+        }
+    return {
+        "kind": "target",
+        "name": f"{route} → {upstream} / {model}",
+        "route": route,
+        "upstream": upstream,
+        "model": model,
+        "weight": target[2] if len(target) > 2 else 1,
+        "index": index,
+        "target": upstream,
+        "served": True,
+        "answered": health.answered,
+        "down": down,
+        "limits": dict.fromkeys(LIMIT_NAMES),
+        "use": {"permits": 0, "requests_last_minute": 0, "tokens_last_minute": 0},
+        "waiting": 0,
+        "running": 0,
+        "paused_since": None,
+        "paused_shards": 0,
+        "cooling_ms": 0,
+        "last_hour": {"n": 0, "f": 0, "tok": 0},
     }
 
 

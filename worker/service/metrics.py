@@ -390,8 +390,11 @@ class Metrics:
         upstream: str,
         usage: Any = None,
         code: str | None = None,
+        route: str | None = None,
+        fallbacks: int = 0,
     ) -> None:
-        """A job's end in the per-minute activity counts (``code``: a failed job's)."""
+        """A job's end in the per-minute activity counts (``code``: a failed job's;
+        ``route`` and its ``fallbacks``: a routed job's)."""
         completion = _token_count(usage, "completion_tokens")
         first = timing.first_delta
         self.activity.finished(
@@ -403,6 +406,8 @@ class Metrics:
                 _token_count(usage, "prompt_tokens") or 0,
                 None if first is None else first - timing.started,
                 code,
+                route,
+                fallbacks,
             )
         )
 

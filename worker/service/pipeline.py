@@ -434,6 +434,8 @@ async def write_terminal(
         upstream=job.upstream,
         usage=final.usage if final is not None else None,
         code=error_data.get("code") if isinstance(error_data, dict) else None,
+        route=job.route.name if job.route is not None else None,
+        fallbacks=job.route.moves if job.route is not None else 0,
     )
     if job.route is not None and "served" in terminal.event_data:
         services.metrics.route_job(job.route.name, terminal.event_data["served"], status)

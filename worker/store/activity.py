@@ -24,6 +24,8 @@ Fields (all integers):
 ``f:<code>``        failed jobs by error code
 ``u:<name>:n|f|tok`` per upstream: ended, failed, completion tokens
 ``t:<name>:n|f|tok`` per tenant: ended, failed, completion tokens
+``r:<name>:n|f|fb``  per route (configured names): ended, failed, fallbacks taken (the
+                    times a job left a target for the next)
 =================== ===================================================================
 """
 
@@ -88,6 +90,8 @@ class Finished:
     prompt_tokens: int = 0
     first_token_seconds: float | None = None
     code: str | None = None  # the error code of a failed job
+    route: str | None = None  # the route it used (a configured name), if any
+    fallbacks: int = 0  # the times it left a route's target for the next
 
 
 class Tally:
@@ -106,8 +110,15 @@ class Tally:
             fields.append(f"t:{tenant}:f")
         if job.first_token_seconds is not None:
             fields.append(f"ttft:{ttft_bucket(job.first_token_seconds)}")
+        if job.route is not None:
+            fields.append(f"r:{job.route}:n")
+            if status == "failed":
+                fields.append(f"r:{job.route}:f")
         for name in fields:
             counts[name] = counts.get(name, 0) + 1
+        if job.route is not None and job.fallbacks:
+            name = f"r:{job.route}:fb"
+            counts[name] = counts.get(name, 0) + job.fallbacks
         for name, tokens in (
             ("tok", job.completion_tokens),
             ("ptok", job.prompt_tokens),
@@ -246,7 +257,7 @@ def quantile(histogram: list[int], q: float) -> float | None:
 
 
 def per_name(counts: Mapping[str, int], kind: str) -> dict[str, dict[str, int]]:
-    """``u`` or ``t`` fields as name -> {n, f, tok}."""
+    """``u``, ``t`` or ``r`` fields as name -> {n, f, tok} (and a route's ``fb``)."""
     found: dict[str, dict[str, int]] = {}
     for name, value in counts.items():
         if name.startswith(kind + ":"):

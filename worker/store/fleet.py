@@ -11,6 +11,9 @@ of tenants or jobs (docs/dashboard.md says what each costs):
 ``read_use``
     per limited upstream and shard: permits renewed within a lease, requests and tokens of
     the last minute (as the scheduler counts them), the time left of a 429's pause.
+``read_targets``
+    the fleet's breaker of every published route's target (shard 0's copy): down until
+    when, since when, why, a probe trying it, whether it answered lately.
 ``read_waiting``
     a read-only script (``sched/waiting.lua``) on one shard: ``count`` waiting tenants'
     jobs by priority and their oldest job's enqueue time, from the ``start``-th tenant
@@ -49,6 +52,7 @@ class Shard:
     upstreams: dict[str, int] = field(default_factory=dict)  # waiting per upstream
     running: dict[str, int] = field(default_factory=dict)  # delivered entries per tenant
     running_upstreams: dict[str, int] = field(default_factory=dict)
+    running_routes: dict[str, int] = field(default_factory=dict)  # delivered, per route
     dispatched: dict[str, int] = field(default_factory=dict)  # in the stream, not delivered
     consumers: dict[str, int] = field(default_factory=dict)  # pending entries per consumer
     oldest_undelivered_ms: int | None = None  # entry id time of the oldest not delivered
@@ -71,6 +75,15 @@ class Shard:
     def served(self) -> list[str]:
         return sorted(name[2:] for name in self.config if name.startswith("s:"))
 
+    def routes(self) -> dict[str, dict[str, Any]]:
+        """The routes the workers publish: ``{"s": strategy, "t": [[upstream, model,
+        weight], ...], "c": context fallback}`` by name."""
+        found = {}
+        for name, value in self.config.items():
+            if name.startswith("r:") and isinstance(route := _json(value), dict):
+                found[name[2:]] = route
+        return found
+
     @property
     def lease_ms(self) -> int:
         value = self.config.get("lease_ms", "")
@@ -86,6 +99,19 @@ class Fleet:
     dead: int
     heartbeats: dict[str, float]  # worker -> last heartbeat (Redis time, s)
     reports: dict[str, dict[str, Any]]  # worker -> what it reported with it
+
+
+@dataclass(slots=True)
+class TargetHealth:
+    """A route's target as the fleet's breaker holds it (shard 0's copy): ``down_until``
+    (ms) while every worker skips it, or its upstream's when that could not be reached."""
+
+    down_until: int | None = None
+    since: int | None = None
+    why: str = ""
+    probing: bool = False
+    answered: bool = False  # it answered lately (no trial)
+    whole_upstream: bool = False  # its upstream could not be reached
 
 
 @dataclass(slots=True)
@@ -177,6 +203,27 @@ class FleetReader:
         for (use, _, _), tokens in zip(expired, await pipe.execute(), strict=True):
             use.tokens = max(use.tokens - sum(int(as_text(t)) for t in tokens if t), 0)
 
+    async def read_targets(self, fleet: Fleet) -> dict[tuple[str, str], TargetHealth]:
+        """The breaker's state of every target of the published routes (shard 0)."""
+        targets = {
+            (str(t[0]), str(t[1]))
+            for route in (fleet.shards[0].routes().values() if fleet.shards else ())
+            for t in [*route.get("t", []), *([route["c"]] if route.get("c") else [])]
+        }
+        wanted = sorted(targets)
+        prefix = self.keys.sched(0)
+        pipe = self.redis.pipeline(transaction=False)
+        for upstream, model in wanted:
+            pipe.hmget(f"{prefix}:down:{upstream}", BREAKER)
+            pipe.hmget(f"{prefix}:down:{upstream}|{model}", BREAKER)
+            pipe.exists(f"{prefix}:ok:{upstream}|{model}")
+        replies = await pipe.execute()
+        found = {}
+        for offset, target in enumerate(wanted):
+            whole, own, answered = replies[offset * 3 : offset * 3 + 3]
+            found[target] = _health(whole, own, bool(answered))
+        return found
+
     async def read_waiting(self, shard: int, start: int, count: int) -> dict[str, Waiting]:
         """``count`` waiting tenants of ``shard`` from the ``start``-th (in pass order): their
         jobs by priority and their oldest job."""
@@ -187,6 +234,21 @@ class FleetReader:
             high, normal, low, oldest = (int(v) for v in flat[at + 1 : at + 5])
             found[as_text(flat[at])] = Waiting(high, normal, low, oldest or None)
         return found
+
+
+BREAKER = ("until", "since", "why", "probe")  # the fields of a down:<...> hash read
+
+
+def _health(whole: list[Any], own: list[Any], answered: bool) -> TargetHealth:
+    """A target's health from its upstream's breaker and its own (the upstream's first)."""
+    for row, is_upstream in ((whole, True), (own, False)):
+        until, since, why, probe = (as_text(v) if v else "" for v in row)
+        if until.isdigit():
+            return TargetHealth(
+                int(until), int(since) if since.isdigit() else None, why, bool(probe), answered,
+                is_upstream,
+            )  # fmt: skip
+    return TargetHealth(answered=answered)
 
 
 def _shard(index: int, key: str, replies: list[Any]) -> Shard:
@@ -218,6 +280,8 @@ def _count_entries(shard: Shard, entries: list[Any], delivered: tuple[int, int])
         upstream = as_text(fields.get("upstream", "default"))
         shard.running[tenant] = shard.running.get(tenant, 0) + 1
         shard.running_upstreams[upstream] = shard.running_upstreams.get(upstream, 0) + 1
+        if route := as_text(fields.get("route", "")):
+            shard.running_routes[route] = shard.running_routes.get(route, 0) + 1
 
 
 def _count_waiting(shard: Shard, counts: dict[Any, Any]) -> None:

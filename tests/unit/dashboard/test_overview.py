@@ -16,12 +16,12 @@ from schemas.requests import Priority
 from tests.helpers.harness import chat, spread
 from worker.client import Client
 from worker.dashboard.core import Dashboard
-from worker.settings import Settings
+from worker.settings import Route, RouteTarget, Settings, Upstream
 from worker.store.activity import ActivityLog, minute_of
 from worker.store.keys import Keys
 from worker.store.liveness import Liveness
 from worker.store.queue import Queue
-from worker.store.scheduler import config_fields
+from worker.store.scheduler import TargetFailure, config_fields
 
 REPORT = {
     "version": "9.9.9", "host": "box", "pid": 7, "started": 1.0, "slots": 8, "busy": 2,
@@ -137,3 +137,43 @@ async def test_many_waiting_tenants_are_broken_down_a_chunk_per_read(
     rows = await dashboard.tenants()
     assert len(rows) == 250 and sum(row["by_priority"]["low"] for row in rows) == 125
     assert sum(row["by_priority"]["high"] for row in rows) == 124  # one in the stream
+
+
+async def test_a_route_and_its_targets_as_the_fleet_holds_them(
+    settings: Settings, redis: Redis
+) -> None:
+    """A route of two targets, the first taken down for the fleet: a route row (waiting,
+    one target of two down, fallbacks of the last hour), each target's breaker; a pause
+    of the route holds its jobs in their queues."""
+    routes = {
+        "fast": Route(
+            targets=[RouteTarget(upstream="default", model="a"), RouteTarget(upstream="b")]
+        )
+    }
+    upstreams = {"b": Upstream(url="http://127.0.0.1:9/v1")}
+    settings = settings.model_copy(update={"routes": routes, "upstreams": upstreams})
+    keys = Keys(settings.prefix)
+    queue = Queue(redis, keys, "w1")
+    await queue.ensure_group()
+    await queue.scheduler.publish(config_fields(settings))
+    failure = TargetFailure("default", "a", 1.0, 8.0, None, "HTTP 503: overloaded", "j0")
+    await queue.scheduler.trip(failure)
+    await queue.scheduler.pause("fast")
+    client = Client.from_settings(settings, redis)
+    await client.enqueue({**chat(), "model": "fast"})
+    await client.enqueue({**chat(), "model": "fast"})
+    minute = minute_of(time.time())
+    await ActivityLog(redis, keys).add(minute, {"r:fast:n": 3, "r:fast:fb": 2})
+    overview = json.loads(await Dashboard(settings, redis).live.current())
+    rows = {row["name"]: row for row in overview["upstreams"]}
+    route = rows["fast"]
+    assert (route["kind"], route["target"], route["waiting"]) == ("route", "fallback", 2)
+    assert (route["targets_down"], route["targets"]) == (1, 2)
+    assert route["paused_since"] is not None and route["last_hour"]["fb"] == 2
+    first, second = rows["fast → default / a"], rows["fast → b / fast"]
+    assert first["kind"] == "target" and first["down"]["error"] == "HTTP 503: overloaded"
+    assert 0 < first["down"]["until"] - overview["now"] <= 1.5
+    assert second["down"] is None and not second["answered"]
+    assert await queue.read(5, None) == []  # paused: nothing leaves the queue
+    await queue.scheduler.resume("fast")
+    assert {e.raw["upstream"] for e in await queue.read(5, None)} == {"b"}  # a trial of two

@@ -185,6 +185,15 @@ function alertsOf(o) {
     found.push(["bad", `No live worker: ${num(t.waiting)} jobs wait, ${num(t.running)} were running`]);
   }
   for (const u of o.upstreams) {
+    if (u.kind === "target") {
+      if (u.down) found.push(["bad", `Route target ${u.name} skipped by every worker for ${age(o.now - u.down.since)} (${u.down.error})`]);
+      continue;
+    }
+    if (u.kind === "route") {
+      if (u.targets_down === u.targets) found.push(["bad", `Route ${u.name}: every target is down; ${num(u.waiting)} jobs wait`]);
+      if (u.paused_since) found.push(["warn", `Route ${u.name} paused for the fleet since ${when(u.paused_since)}; ${num(u.waiting)} jobs held`]);
+      continue;
+    }
     if (u.down) {
       const on = u.down.workers === 1 ? "1 worker" : `${u.down.workers} workers`;
       found.push(["bad", `Upstream ${u.name} down on ${on} for ${age(o.now - u.down.since)}`
@@ -341,6 +350,43 @@ async function filterTenants() {
 
 // -- upstreams and workers -----------------------------------------------------------------
 
+function targetState(u, now) {
+  if (u.down && u.down.probing) return [badge(`probing, down ${age(now - u.down.since)}`, "down")];
+  if (u.down) {
+    const what = u.down.whole_upstream ? "upstream down" : "down";
+    return [badge(`${what} ${age(now - u.down.since)}, next probe in ${age(Math.max(u.down.until - now, 0))}`, "down")];
+  }
+  return [u.answered ? badge("ok", "ok") : badge("no answer lately", "paused")];
+}
+
+function routeState(u, now) {
+  const states = [];
+  if (u.targets_down === u.targets) states.push(badge("every target down", "down"));
+  else if (u.targets_down) states.push(badge(`${u.targets_down} of ${u.targets} targets down`, "cooling"));
+  if (u.paused_since) states.push(badge(`paused ${age(now - u.paused_since)}`, "paused"));
+  if (!states.length) states.push(badge("ok", "ok"));
+  return states;
+}
+
+function upstreamRow(u, now) {
+  const dash = "—";
+  if (u.kind === "target") {
+    return [u.kind, u.name, targetState(u, now), dash, dash, dash, "", "", "", u.down ? u.down.error : "", ""];
+  }
+  const pause = u.paused_since
+    ? actionButton("Resume", "dispatch to it again", () => upstreamAction(u.name, "resume"))
+    : actionButton("Pause", "dispatch nothing more to it, for the whole fleet", () => upstreamAction(u.name, "pause"));
+  if (u.kind === "route") {
+    const hour = `${num(u.last_hour.n)} / ${num(u.last_hour.f)}, ${num(u.last_hour.fb || 0)} fallbacks`;
+    return [u.kind, `${u.name} (${u.target})`, routeState(u, now), dash, dash, dash,
+      num(u.waiting), num(u.running), hour, "", pause];
+  }
+  return [u.kind, u.name, upstreamState(u, now), bar(u.use.permits, u.limits.max_concurrent),
+    bar(u.use.requests_last_minute, u.limits.requests_per_minute),
+    bar(u.use.tokens_last_minute, u.limits.tokens_per_minute), num(u.waiting), num(u.running),
+    `${num(u.last_hour.n)} / ${num(u.last_hour.f)}`, u.down ? u.down.error : "", pause];
+}
+
 function upstreamState(u, now) {
   const states = [];
   if (u.down) states.push(badge(`down ${age(now - u.down.since)}`, "down"));
@@ -360,18 +406,12 @@ function renderUpstreams() {
     { label: "ended / failed (1 h)", n: 1 }, { label: "last error" }, { label: "" },
   ], overview.upstreams.map((u) => ({
     attrs: { "data-upstream": u.name, "data-kind": u.kind },
-    cells: [u.kind, u.name, upstreamState(u, now), bar(u.use.permits, u.limits.max_concurrent),
-      bar(u.use.requests_last_minute, u.limits.requests_per_minute),
-      bar(u.use.tokens_last_minute, u.limits.tokens_per_minute), num(u.waiting), num(u.running),
-      `${num(u.last_hour.n)} / ${num(u.last_hour.f)}`, u.down ? u.down.error : "",
-      u.paused_since
-        ? actionButton("Resume", "dispatch to it again", () => upstreamAction(u.name, "resume"))
-        : actionButton("Pause", "dispatch nothing more to it, for the whole fleet", () => upstreamAction(u.name, "pause"))],
+    cells: upstreamRow(u, now),
   })), "no upstream seen yet");
 }
 
 async function upstreamAction(name, verb) {
-  if (verb === "pause" && !confirm(`Pause upstream ${name} for the whole fleet?`)) return;
+  if (verb === "pause" && !confirm(`Pause ${name} for the whole fleet?`)) return;
   await api(`api/upstreams/${encodeURIComponent(name)}/${verb}`, { method: "POST" });
 }
 

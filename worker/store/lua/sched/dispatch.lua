@@ -10,6 +10,7 @@ local function admit(c, name, tokens, now)
     if w ~= 0 then return w end
     return 0, {u = name}
   end
+  if c.paused[name] then return -1 end  -- an operator paused the route
   local i, state = choose(c, name, tokens, now)
   if i == nil then return state or -1 end
   return 0, {u = c.routes[name].t[i][1], r = name, i = i, state = state}
