@@ -56,3 +56,25 @@ async def test_a_one_letter_key_masks_no_part_of_another_word(fleet: Fleet) -> N
     assert record.error["detail"]["message"] == "mock: HTTP 400"
     output = await fleet.stop()
     assert 'upstream_message="mock: HTTP 400"' in output, output
+
+
+async def test_a_key_an_upstream_echoes_in_an_error_chunk_is_masked_in_the_record(
+    fleet: Fleet,
+) -> None:
+    """A hostile upstream puts the API key into an error chunk after its 200: the record and
+    the stream keep the error with the key masked, as they keep an error body."""
+    key = "sk-live-0123456789abcdef"
+    error = {"message": f"invalid key {key} for this model", "code": 400}
+    script = [
+        openai_chunk(delta(0, role="assistant", content="Hel")),
+        openai_chunk(delta(0, "error"), error=error),
+    ]
+    await fleet.start(1, upstream_api_key=key)
+    job_id = await fleet.client.enqueue(chat("hi", script=script))
+    record = await fleet.client.result(job_id, timeout=30)
+    assert record.error is not None
+    assert record.error["detail"]["message"] == "invalid key [REDACTED] for this model"
+    events = [event async for event in fleet.client.events(job_id, block_ms=100)]
+    assert key not in str(events[-1].data) and "[REDACTED]" in str(events[-1].data)
+    output = await fleet.stop()
+    assert key not in output

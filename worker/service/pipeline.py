@@ -16,6 +16,7 @@ stops at the next upstream read.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -55,6 +56,7 @@ from worker.upstream.idle import ProgressDeadline
 from worker.upstream.verdict import error_status, judge, judge_stream_error
 
 log = logging.getLogger("chatstream.pipeline")
+REDACTED = "[REDACTED]"  # a credential in what an upstream sent, as the record keeps it
 
 
 class Retry(Enum):
@@ -410,6 +412,7 @@ async def write_terminal(
     cancelled: bool = False,
 ) -> Outcome:
     terminal = build_terminal(final, error, cancelled=cancelled)
+    _mask_error(services.settings, terminal)
     _add_served(job, terminal)
     services.tracing.ending(terminal)
     written = await services.publisher.finish(job.stream, terminal)
@@ -453,6 +456,19 @@ async def write_terminal(
 
 
 MAX_LOGGED_MESSAGE = 300
+
+
+def _mask_error(settings: Settings, terminal: Terminal) -> None:
+    """A failed job's error as the record and the stream keep it, with every configured
+    credential masked where it stands whole: an upstream may echo a key in its error body or
+    in an error chunk after its 200."""
+    text = terminal.fields.get("error")
+    if text is None:
+        return
+    masked = logs.mask_credentials(text, logs.secrets_of(settings), REDACTED)
+    if masked != text:
+        terminal.fields["error"] = masked
+        terminal.event_data["error"] = json.loads(masked)
 
 
 def served(job: Attempt) -> dict[str, str]:
