@@ -170,7 +170,7 @@ class UpstreamGate:
 
     def _failed(self, exc: RetryableUpstreamError, probe: bool) -> None:
         now = monotonic()
-        self.last_error = str(exc)
+        self.last_error = _reason(exc, self.name)  # (the waiting entries name the upstream)
         self.last_failure = exc
         if not self.down:
             self.down_since, self.failures = now, 1
