@@ -143,6 +143,7 @@ local function dispatch(c, n, now)
     end
     moved = moved + 1
   end
+  write_weights()
   return moved, wait
 end
 

@@ -17,6 +17,7 @@ if ARGV[6] == '1' then  -- its context fallback, alone, after its targets
 end
 local now = now_ms()
 local i, state = choose(c, r, tokens, now)
+write_weights()
 if i == nil then return {'wait', state or -1} end
 local u = c.routes[r].t[i][1]
 local held = ARGV[5]

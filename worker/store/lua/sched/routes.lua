@@ -45,7 +45,9 @@ end
 -- Target (u, m): 'up' (it answered lately), 'new' (no answer confirmed it lately: a job
 -- may go as one of its trial), 'trial' (TRIAL jobs are on their way to it already: wait
 -- for their answers), 'probe', or 'down' (its upstream or itself), with the ms to wait.
-local function health(c, u, m, now)
+local known = {}  -- within one script call: target -> {state, wait} (a pick asks for many jobs)
+
+local function health_now(c, u, m, now)
   local tk = target_key(u, m)
   if redis.call('EXISTS', S .. ':down:' .. u, S .. ':down:' .. tk) > 0 then
     local su, wu = down_state(S .. ':down:' .. u, now, c.lease_ms)
@@ -61,30 +63,56 @@ local function health(c, u, m, now)
   return 'new', 0
 end
 
+local function health(c, u, m, now)
+  local tk = target_key(u, m)
+  local seen = known[tk]
+  if seen == nil then
+    seen = {health_now(c, u, m, now)}
+    known[tk] = seen
+  end
+  return seen[1], seen[2]
+end
+
+local weights = {}  -- within one script call: route -> its round-robin state, read once
+local weights_changed = {}  -- routes whose state changed in this call (write_weights)
+
 -- Smooth weighted round-robin among the eligible targets {index, weight, state}: exact
 -- shares over every sum of the weights' picks, and no run of one target. A choice that
 -- falls on a target still on trial waits for its answers (nothing is written), so that a
 -- target answering first does not take a whole burst.
 local function smooth_weighted(r, eligible)
-  local key = S .. ':wrr:' .. r
-  local fields = {}
-  for n, e in ipairs(eligible) do fields[n] = e[1] end
-  local current = redis.call('HMGET', key, unpack(fields))
-  local total, best = 0, 1
-  for n, e in ipairs(eligible) do
-    current[n] = (tonumber(current[n]) or 0) + e[2]
+  local current = weights[r]
+  if current == nil then
+    current = {}
+    local flat = redis.call('HGETALL', S .. ':wrr:' .. r)
+    for i = 1, #flat, 2 do current[tonumber(flat[i])] = tonumber(flat[i + 1]) end
+    weights[r] = current
+  end
+  local total, best = 0, nil
+  local next_weight = {}
+  for _, e in ipairs(eligible) do
+    next_weight[e[1]] = (current[e[1]] or 0) + e[2]
     total = total + e[2]
-    if current[n] > current[best] then best = n end
+    if best == nil or next_weight[e[1]] > next_weight[best[1]] then best = e end
   end
-  if eligible[best][3] == 'trial' then return nil, POLL_MS end
-  current[best] = current[best] - total
-  local flat = {}
-  for n, e in ipairs(eligible) do
-    flat[#flat + 1] = e[1]
-    flat[#flat + 1] = string.format('%.17g', current[n])
+  if best[3] == 'trial' then return nil, POLL_MS end
+  next_weight[best[1]] = next_weight[best[1]] - total
+  for index, weight in pairs(next_weight) do current[index] = weight end
+  weights_changed[r] = true
+  return best[1], best[3]
+end
+
+-- The round-robin states this call changed, written once (after a dispatch of many jobs).
+local function write_weights()
+  for r in pairs(weights_changed) do
+    local flat = {}
+    for index, weight in pairs(weights[r]) do
+      flat[#flat + 1] = index
+      flat[#flat + 1] = string.format('%.17g', weight)
+    end
+    redis.call('HSET', S .. ':wrr:' .. r, unpack(flat))
   end
-  redis.call('HSET', key, unpack(flat))
-  return eligible[best][1], eligible[best][3]
+  weights_changed = {}
 end
 
 -- A target of route r for a job of `tokens` tokens: `fallback` takes the first in order that
@@ -124,9 +152,11 @@ local function sent(c, r, i, state, j, now)
         redis.call('HSET', key, 'probe', j, 'probe_at', now)
       end
     end
+    known[tk] = nil  -- its probe is taken: asked again
   elseif state == 'new' then
     redis.call('INCR', S .. ':trial:' .. tk)
     redis.call('PEXPIRE', S .. ':trial:' .. tk, TRIAL_MS)
+    known[tk] = nil  -- one more on trial: asked again
   end
 end
 
