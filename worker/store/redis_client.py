@@ -22,6 +22,7 @@ backoff of ``worker.retry``, the socket timeout above the longest blocking read.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Iterable
 from typing import Any, TypeAlias, cast
 
@@ -42,7 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worker import speedups
+from worker import internals, speedups
 from worker.aio import URGENT, HasFileno, mixed_in, socket_of
 from worker.errors import RedisUnavailableError
 from worker.retry import RedisBackoff
@@ -95,6 +96,8 @@ class Cluster(RedisCluster):
         return slot
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        if not internals.available("redis-cluster-pipeline"):
+            return super().pipeline(transaction, shard_hint)
         return _Pipeline(self, transaction)  # type: ignore[abstract]
 
 
@@ -123,7 +126,8 @@ class ClosedTransportGuard(AbstractConnection):
     async def _connect(self) -> None:
         with URGENT.hurry():
             await super()._connect()  # type: ignore[safe-super, no-untyped-call]
-        URGENT.watch(connection_socket(self))
+        _CONNECTED.add(self)
+        URGENT.watch(connection_socket(self))  # (nothing unless a worker started the set)
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True
@@ -131,7 +135,7 @@ class ClosedTransportGuard(AbstractConnection):
         try:
             await super().send_packed_command(command, check_health)
         except (RuntimeError, TypeError, AttributeError) as exc:
-            if not _transport_closed(self):
+            if not internals.available("redis-connection-writer") or not _transport_closed(self):
                 raise
             await self.disconnect(nowait=True)
             raise RedisConnectionError(
@@ -139,8 +143,22 @@ class ClosedTransportGuard(AbstractConnection):
             ) from exc
 
 
+_CONNECTED: weakref.WeakSet[AbstractConnection] = weakref.WeakSet()
+
+
+def watch_connected() -> None:
+    """The guarded connections made before a worker started ``URGENT`` join it now (the
+    worker's first PING, a test's client)."""
+    for connection in list(_CONNECTED):
+        if connection.is_connected:
+            URGENT.watch(connection_socket(connection))
+
+
 def _transport(connection: AbstractConnection) -> Any:
-    """The asyncio (or uvloop) transport under a redis-py connection (None: not connected)."""
+    """The asyncio (or uvloop) transport under a redis-py connection (None: not connected,
+    or redis-py keeps it elsewhere now: ``worker.internals``)."""
+    if not internals.available("redis-connection-writer"):
+        return None
     return getattr(getattr(connection, "_writer", None), "transport", None)
 
 

@@ -597,7 +597,7 @@ async def test_a_fed_body_that_keeps_coming_is_not_timed_out_but_a_stall_is() ->
         assert 0.3 <= time.monotonic() - began < 0.9
 
 
-async def test_a_response_is_urgent_until_its_second_body_read() -> None:
+async def test_a_response_is_urgent_until_its_second_body_read(urgent_set: None) -> None:
     """The head, the first byte and the read after it (the first token) end a wake-up
     tick's sleep; the body's further reads wait for the tick (worker.aio.URGENT)."""
     writes: asyncio.Queue[bytes] = asyncio.Queue()
