@@ -22,6 +22,6 @@ helpers), ``speedups`` (uvloop, hiredis, httptools when installed), ``embedded_s
 (uvicorn inside a running loop), ``telemetry`` (OpenTelemetry: setup from the OTEL_*
 variables, W3C trace context, log ids), ``telemetry_sdk`` (its SDK providers and OTLP
 exporters, the ``otel`` extra) and ``internals`` (where we reach below a dependency's
-public API: checked once against the installed release, the public path otherwise). What backend services import is ``client``
-(``Client``, ``SyncClient``) and ``schemas``.
+public API: checked once against the installed release, the public path otherwise).
+What backend services import is ``client`` (``Client``, ``SyncClient``) and ``schemas``.
 """
