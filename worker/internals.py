@@ -5,8 +5,11 @@ Each place is an :class:`Internal`: what it reaches for, a check of the installe
 (no I/O), the release it is known in, and the public path the code takes when the check
 fails. :func:`available` runs a check once per process and, when it fails, logs one
 WARNING line naming what was not found and what is done instead; the code then takes
-that path, never an error. :func:`check_all` runs every check whose dependency is
-installed (a worker and a gateway call it at start, so the lines come together there).
+that path, never an error. The line is a WARNING when the installed release is at least
+the one named as having it (a release moved it), INFO when it predates it (the public path
+is that release's normal one). :func:`check_all` runs every check whose dependency is
+installed but OpenTelemetry's (a worker and a gateway call it at start, so the lines come
+together there; OpenTelemetry's are checked where its SDK is set up, only when exporting).
 ``tests/unit/test_internals.py`` simulates each change and asserts the path and the line,
 and that every check passes on the releases named here.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
@@ -255,7 +259,9 @@ def available(name: str) -> bool:
             found = False
         _FOUND[name] = found
         if not found and release is not None:
-            log.warning(
+            moved = _release(release) >= _release(internal.since)
+            log.log(
+                logging.WARNING if moved else logging.INFO,
                 "%s %s: %s not found; %s",
                 internal.distribution,
                 release,
@@ -265,9 +271,16 @@ def available(name: str) -> bool:
     return found
 
 
+def _release(text: str) -> tuple[int, ...]:
+    """``1.33.0`` -> (1, 33, 0); what follows the numbers (``b2``, ``rc1``) is ignored."""
+    numbers = re.match(r"\d+(?:\.\d+)*", text)
+    return tuple(int(part) for part in numbers.group().split(".")) if numbers else ()
+
+
 def check_all() -> dict[str, bool]:
-    """Every check whose dependency is installed (one line per one that fails)."""
-    return {name: available(name) for name in INTERNALS}
+    """Every check but OpenTelemetry's whose dependency is installed (one line per one that
+    fails)."""
+    return {name: available(name) for name in INTERNALS if not name.startswith("otel-")}
 
 
 def forget() -> None:
