@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytest.importorskip("httptools", reason="the httptools transport needs the fast extra")
+
 from tests.helpers.tls import make_certs
 from worker.aio import URGENT, socket_of
 from worker.errors import ConfigError, RetryableUpstreamError, UpstreamTimeoutError
