@@ -8,8 +8,9 @@ WARNING line naming what was not found and what is done instead; the code then t
 that path, never an error. The line is a WARNING when the installed release is at least
 the one named as having it (a release moved it), INFO when it predates it (the public path
 is that release's normal one). :func:`check_all` runs every check whose dependency is
-installed but OpenTelemetry's (a worker and a gateway call it at start, so the lines come
-together there; OpenTelemetry's are checked where its SDK is set up, only when exporting).
+installed and in use (a worker and a gateway call it at start, so the lines come together
+there); OpenTelemetry's are checked where its SDK is set up, only when exporting, and
+uvicorn's where an embedded server or the gateway's protocol is made.
 ``tests/unit/test_internals.py`` simulates each change and asserts the path and the line,
 and that every check passes on the releases named here.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
@@ -278,9 +280,15 @@ def _release(text: str) -> tuple[int, ...]:
 
 
 def check_all() -> dict[str, bool]:
-    """Every check but OpenTelemetry's whose dependency is installed (one line per one that
-    fails)."""
-    return {name: available(name) for name in INTERNALS if not name.startswith("otel-")}
+    """Every check of what this process uses (one line per one that fails): not
+    OpenTelemetry's (checked where its SDK is set up), nor uvicorn's unless it is imported
+    (a worker without its metrics endpoint does not import it: start-up time)."""
+    return {
+        name: available(name)
+        for name in INTERNALS
+        if not name.startswith("otel-")
+        and (not name.startswith("uvicorn-") or "uvicorn" in sys.modules)
+    }
 
 
 def forget() -> None:

@@ -73,7 +73,7 @@ def test_each_internal_is_found_on_the_releases_it_names(
 
 
 def test_check_all_says_nothing_when_everything_is_found(checks: pytest.LogCaptureFixture) -> None:
-    found = internals.check_all()
+    found = internals.check_all()  # (uvicorn is imported here: this module imports it)
     assert set(found) == {name for name in internals.INTERNALS if not name.startswith("otel-")}
     missing_here = [  # not found, and its dependency installed: each said once
         name
