@@ -19,9 +19,10 @@ from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from schemas.events import EventType
+from tests.helpers.extras import TRANSPORTS
 from tests.helpers.harness import Harness, chat, custom_harness, inject
 from tests.helpers.servers import AuthRedisServer, auth_server, free_port
-from worker import logs, speedups
+from worker import logs
 from worker.client import Client
 from worker.errors import InvalidJobError
 from worker.service.worker import Worker
@@ -193,18 +194,7 @@ def debug_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFi
     yield caplog
 
 
-@pytest.mark.parametrize(
-    "transport",
-    [
-        pytest.param(
-            "httptools",
-            marks=pytest.mark.skipif(
-                not speedups.httptools_installed(), reason="needs httptools (the fast extra)"
-            ),
-        ),
-        "httpx",
-    ],
-)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_api_keys_never_reach_redis_logs_or_errors(
     settings: Settings, redis: Redis, debug_logs: pytest.LogCaptureFixture, transport: str
 ) -> None:
