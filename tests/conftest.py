@@ -49,6 +49,17 @@ def pytest_report_header() -> str:
     return "WARNING redis: redis-server not found; Redis tests fall back to fakeredis"
 
 
+@pytest.fixture
+def urgent_set() -> Iterator[None]:
+    """``worker.aio.URGENT`` started, as a worker whose tick is on starts it."""
+    from worker.aio import URGENT
+
+    if not URGENT.start():
+        pytest.skip("no epoll on this platform: no set of urgent sockets")
+    yield
+    URGENT.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer | None]:
     executable = redis_executable()

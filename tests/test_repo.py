@@ -153,6 +153,7 @@ SHARED = {
     "telemetry",
     "telemetry_sdk",
     "telemetry_spans",
+    "internals",
 }
 ALLOWED = {  # besides the shared modules and schemas, which every room may import
     "protocol": set(),

@@ -21,9 +21,10 @@ Shared by every room: ``settings`` (configuration), ``urls`` (the forms of
 ``logs`` (log lines, secrets masked), ``retry`` (backoff policies), ``aio`` (asyncio
 helpers), ``speedups`` (uvloop, hiredis, httptools when installed), ``embedded_server``
 (uvicorn inside a running loop), ``telemetry`` (OpenTelemetry: setup from the OTEL_*
-variables, W3C trace context, log ids) and ``telemetry_sdk`` (its SDK providers and OTLP
-exporters, the ``otel`` extra). What backend services import is ``client``
-(``Client``, ``SyncClient``) and ``schemas``.
+variables, W3C trace context, log ids), ``telemetry_sdk`` (its SDK providers and OTLP
+exporters, the ``otel`` extra) and ``internals`` (where we reach below a dependency's
+public API: checked once against the installed release, the public path otherwise).
+What backend services import is ``client`` (``Client``, ``SyncClient``) and ``schemas``.
 """
 
 from functools import cache

@@ -51,16 +51,47 @@ class UrgentSockets:
     every socket): news on one of these while the loop sleeps out a tick wakes it, news on
     any other waits for the tick's end. A closed socket leaves the set by itself. While a
     connection is being made (``hurry``: its socket is not known yet, and its connect and
-    TLS handshake are a chain of hops), a sleep lasts at most ``HURRY_TICK``."""
+    TLS handshake are a chain of hops), a sleep lasts at most ``HURRY_TICK``.
+
+    Dormant until a worker whose tick is on calls :meth:`start` (``watch`` does nothing
+    before), so a process that only imports and uses the client gets no epoll set and no
+    fork hook (issue 37); the last :meth:`stop` closes the set."""
 
     EVENTS = getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLET", 0)
 
     def __init__(self) -> None:
-        self._epoll: Any = None  # select.epoll, made on first use (None: not Linux)
+        self._epoll: Any = None  # select.epoll while started (None: dormant, or not Linux)
         self._hurrying = 0
+        self._users = 0
+
+    @staticmethod
+    def possible() -> bool:
+        """This platform has epoll (Linux): elsewhere there is no set, and no tick."""
+        return hasattr(select, "epoll")
+
+    def start(self) -> bool:
+        """Make the set (one per worker that runs a tick; idempotent); False without epoll."""
+        if not self.possible():
+            return False
+        if self._epoll is None:
+            self._epoll = select.epoll()
+            _reset_in_forked_children()
+        self._users += 1
+        return True
+
+    def stop(self) -> None:
+        """One :meth:`start` less; the last closes the set."""
+        self._users = max(0, self._users - 1)
+        if self._users == 0 and self._epoll is not None:
+            self._epoll.close()
+            self._epoll = None
+
+    @property
+    def started(self) -> bool:
+        return self._epoll is not None
 
     def watch(self, sock: HasFileno | None) -> None:
-        epoll = self._set()
+        epoll = self._epoll
         if epoll is None or sock is None:
             return
         with contextlib.suppress(OSError, ValueError):  # already watched, or closed
@@ -103,21 +134,21 @@ class UrgentSockets:
         else:
             self._epoll.poll(seconds, 64)
 
-    def _set(self) -> Any:
-        if self._epoll is None and hasattr(select, "epoll"):
-            self._epoll = select.epoll()
-        return self._epoll
-
     def reset(self) -> None:
-        """A forked child starts with an empty set of its own (the parent's is shared)."""
+        """A forked child starts dormant (the parent's set is shared, not its own)."""
         if self._epoll is not None:
             self._epoll.close()  # the child's descriptor only: the parent's set lives on
-        self._epoll, self._hurrying = None, 0
+        self._epoll, self._hurrying, self._users = None, 0, 0
 
 
 URGENT = UrgentSockets()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=URGENT.reset)
+_FORK_HOOK: list[bool] = []  # registered (once, and only once a set was made)
+
+
+def _reset_in_forked_children() -> None:
+    if not _FORK_HOOK and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=URGENT.reset)
+        _FORK_HOOK.append(True)
 
 
 def socket_of(transport: Any) -> HasFileno | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import uvicorn
 
+from worker import internals
 from worker.aio import URGENT, mixed_in, socket_of
 from worker.errors import ConfigError
 
@@ -23,7 +24,12 @@ class EmbeddedServer(uvicorn.Server):
     """uvicorn in a running loop: leaves the process's signals alone, stops on request.
 
     ``grace``: how long responses in progress may take to end at shutdown (uvicorn's own
-    shutdown adds fixed 0.1 s sleeps; tests start many servers)."""
+    shutdown adds fixed 0.1 s sleeps; tests start many servers).
+
+    Its overrides are uvicorn's internals, checked once (``worker.internals``): where they
+    moved, it runs as uvicorn's own ``Server`` (public: ``serve``, ``started``,
+    ``should_exit``), whose main loop wakes every 0.1 s and whose sockets do not end a
+    wake-up tick's sleep."""
 
     def __init__(self, config: uvicorn.Config, *, name: str = "http", grace: float = 0.5) -> None:
         super().__init__(config)
@@ -31,12 +37,16 @@ class EmbeddedServer(uvicorn.Server):
         self.grace = grace
         self.ready = asyncio.Event()
         self.stop_requested = asyncio.Event()
+        self.own = internals.available("uvicorn-server")
+        internals.available("uvicorn-capture-signals")  # (only said: nothing replaces it)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
     async def main_loop(self) -> None:
+        if not self.own:
+            return await super().main_loop()
         self.ready.set()
         while not self.stop_requested.is_set():
             await self.on_tick(0)  # refreshes the Date header
@@ -44,6 +54,8 @@ class EmbeddedServer(uvicorn.Server):
                 await asyncio.wait_for(self.stop_requested.wait(), 1.0)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if not self.own:
+            return await super().shutdown(sockets)
         for server in self.servers:
             server.close()
         for connection in list(self.server_state.connections):
@@ -59,6 +71,8 @@ class EmbeddedServer(uvicorn.Server):
         await self.lifespan.shutdown()  # the app's shutdown (a no-op with lifespan="off")
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if not self.own:
+            return await super().startup(sockets)
         protocol = self.config.http_protocol_class
         self.config.http_protocol_class = mixed_in(_UrgentConnection, protocol, "Urgent")
         await super().startup(sockets)
@@ -66,13 +80,23 @@ class EmbeddedServer(uvicorn.Server):
     async def start(self, sock: socket.socket) -> asyncio.Task[None]:
         URGENT.watch(sock)  # a request is answered at once, not at the wake-up tick's end
         task = asyncio.create_task(self.serve(sockets=[sock]), name=f"chatstream-{self.name}")
-        ready = asyncio.create_task(self.ready.wait())
+        ready = asyncio.create_task(self.ready.wait() if self.own else self._started())
         await asyncio.wait((task, ready), return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             ready.cancel()
             await task  # raises the start-up error
             raise RuntimeError(f"the {self.name} server did not start")
         return task
+
+    async def _started(self) -> None:
+        while True:  # uvicorn's own flag, set when its startup is done (it has no event)
+            if self.started:
+                return
+            await asyncio.sleep(0.005)
+
+    def request_stop(self) -> None:
+        self.stop_requested.set()
+        self.should_exit = True  # (uvicorn's own main loop)
 
 
 class _UrgentConnection(asyncio.Protocol):
@@ -117,6 +141,6 @@ async def served(server: EmbeddedServer, sock: socket.socket) -> AsyncIterator[i
     try:
         yield int(sock.getsockname()[1])
     finally:
-        server.stop_requested.set()
+        server.request_stop()
         await task
         sock.close()

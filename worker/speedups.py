@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from importlib.util import find_spec
 from typing import Any, TypeVar
 
+from worker import internals
 from worker.errors import ConfigError
 from worker.settings import Settings
 
@@ -110,7 +111,13 @@ def run(main: Coroutine[Any, Any, T], settings: Settings) -> T:
 
 
 def parser_class(settings: Settings) -> type[Any]:
-    """The redis-py reply parser for the chosen implementation."""
+    """The redis-py reply parser for the chosen implementation (redis-py's own choice where
+    its parser classes are not where they were: ``worker.internals``)."""
+    choice = chosen_parser(settings)
+    if not internals.available("redis-parsers"):
+        from redis.asyncio.connection import DefaultParser
+
+        return DefaultParser
     from redis._parsers import _AsyncHiredisParser, _AsyncRESP3Parser
 
-    return _AsyncHiredisParser if chosen_parser(settings) == "hiredis" else _AsyncRESP3Parser
+    return _AsyncHiredisParser if choice == "hiredis" else _AsyncRESP3Parser

@@ -22,6 +22,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 
+from worker import internals
 from worker.telemetry_spans import SpanEncoder
 
 log = logging.getLogger("chatstream.telemetry")
@@ -32,15 +33,17 @@ class SpanExporter(OTLPSpanExporter):
     retries from the standard variables) sending requests that :mod:`worker.telemetry_spans`
     encodes, at a third to a fifth of the SDK encoder's cost (decision 63).
 
-    It hands the bytes to the exporter's HTTP client, which is not public API: where an
-    SDK release lacks it, :attr:`encodes` is False and every export is the SDK's own.
+    It hands the bytes to the exporter's HTTP client, which is not public API (checked
+    once, ``worker.internals``): where an SDK release lacks it, :attr:`encodes` is False
+    and every export is the SDK's own.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._encoder = SpanEncoder()
         client = getattr(self, "_client", None)
-        self.encodes = callable(getattr(client, "export", None))
+        usable = internals.available("otel-exporter-client")
+        self.encodes = usable and callable(getattr(client, "export", None))
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not self.encodes or self._shutdown:
@@ -75,7 +78,10 @@ def install(service_name: str, *, traces: bool, meters: bool) -> list[Any]:
         reader = PeriodicExportingMetricReader(OTLPMetricExporter())
         meter_provider = MeterProvider(resource=where, metric_readers=[reader])
         metrics.set_meter_provider(meter_provider)
-        installed.append(meter_provider)
+        if metrics.get_meter_provider() is meter_provider:
+            installed.append(meter_provider)
+        else:  # one was set already (the API refused ours, and said so)
+            meter_provider.shutdown()
     return installed
 
 
@@ -86,5 +92,10 @@ def _set(provider: object) -> bool:
         trace.NoOpTracerProvider,
         metrics.NoOpMeterProvider,
     )
-    name = type(provider).__name__
-    return not isinstance(provider, stand_ins) and name != "_ProxyMeterProvider"
+    if isinstance(provider, stand_ins):
+        return False
+    if not internals.available("otel-proxy-meter-provider"):
+        return False  # offered anyway: install() keeps it only where the API takes it
+    from opentelemetry.metrics._internal import _ProxyMeterProvider
+
+    return not isinstance(provider, _ProxyMeterProvider)

@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from schemas.events import EventType
+from tests.helpers.extras import TRANSPORTS
 from tests.helpers.harness import Harness, chat, custom_harness, inject
 from tests.helpers.servers import AuthRedisServer, auth_server, free_port
 from worker import logs
@@ -193,7 +194,7 @@ def debug_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFi
     yield caplog
 
 
-@pytest.mark.parametrize("transport", ["httptools", "httpx"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_api_keys_never_reach_redis_logs_or_errors(
     settings: Settings, redis: Redis, debug_logs: pytest.LogCaptureFixture, transport: str
 ) -> None:

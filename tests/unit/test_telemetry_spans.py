@@ -27,6 +27,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.trace.span import TraceState
 
 from tests.helpers.otlp import receiving
+from worker import internals
 from worker.telemetry_sdk import SpanExporter
 from worker.telemetry_spans import CACHE_LIMIT, SpanEncoder
 
@@ -188,7 +189,8 @@ async def test_the_exporter_sends_its_encoding_to_a_collector(
     async with receiving() as otlp:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.endpoint)
         exporter = SpanExporter()
-        assert exporter.encodes  # the installed SDK: our encoding, not the SDK's fallback
+        # our encoding on the SDKs that have the client (test_internals holds which), else theirs
+        assert exporter.encodes is internals.available("otel-exporter-client")
         result = await asyncio.to_thread(exporter.export, made.spans())
         exporter.shutdown()  # type: ignore[no-untyped-call]  # the SDK's, untyped
     assert result is SpanExportResult.SUCCESS
@@ -228,6 +230,8 @@ def test_a_batch_that_fails_to_encode_is_dropped_with_a_log_line(
     made.make(plain_plan())
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     exporter = SpanExporter()
+    if not exporter.encodes:
+        pytest.skip("this SDK's exporter has no client to hand our encoding to")
     monkeypatch.setattr(SpanEncoder, "request", _fails_to_encode)
     with caplog.at_level(logging.ERROR):
         assert exporter.export(made.spans()) is SpanExportResult.FAILURE

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sys
+from collections.abc import Coroutine
 from contextlib import AsyncExitStack
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -53,12 +55,26 @@ async def run_demo(
             if gateway:
                 from worker.cli.gateway_demo import through_gateway
 
-                return await through_gateway(stack, settings, redis, message)
-            return await _stream_one(Client.from_settings(settings, redis), message)
+                shown = through_gateway(stack, settings, redis, message)
+            else:
+                shown = _stream_one(Client.from_settings(settings, redis), message)
+            return await _while_consuming(consume, shown)
         finally:
             worker.stopping.set()
             await cancel_and_wait([consume])
             await worker.shutdown()
+
+
+async def _while_consuming(consume: asyncio.Task[None], shown: Coroutine[Any, Any, int]) -> int:
+    """``shown``'s result; if the worker's intake ends first (it raised), its error, at once
+    (the reply would otherwise wait for a worker that is gone)."""
+    showing = asyncio.create_task(shown)
+    await asyncio.wait((consume, showing), return_when=asyncio.FIRST_COMPLETED)
+    if not showing.done():
+        await cancel_and_wait([showing])
+        consume.result()  # raises what ended it
+        raise RuntimeError("the demo's worker stopped reading the queue")
+    return showing.result()
 
 
 async def _redis(settings: Settings) -> RedisClient:
@@ -70,7 +86,9 @@ async def _redis(settings: Settings) -> RedisClient:
         "demo: using an in-process Redis stand-in (set CHATSTREAM_REDIS_URL for a real one)",
         file=sys.stderr,
     )
-    fake: RedisClient = fakeredis.FakeAsyncRedis(decode_responses=True)
+    # RESP2, as real Redis gives a script's redis.call() replies whatever the client speaks
+    # (fakeredis hands a script RESP3 shapes on a RESP3 connection: XREADGROUP's map)
+    fake: RedisClient = fakeredis.FakeAsyncRedis(decode_responses=True, protocol=2)
     return fake
 
 

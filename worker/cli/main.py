@@ -51,8 +51,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(run_command(args))
 
 
+# The commands that run the worker's machinery (signal handlers on the event loop, process
+# groups): POSIX only. The producers and readers (enqueue, tail, status, jobs, cancel, stats,
+# dead) and the Python client work on Windows too (README, "Platforms"; decision 82).
+POSIX_ONLY = ("worker", "gateway", "demo")
+
+
+def not_supported_here(args: argparse.Namespace, platform: str | None = None) -> str | None:
+    """Why this command cannot run on this platform (None: it can)."""
+    if (platform or sys.platform) == "win32" and args.command_name in POSIX_ONLY:
+        return (
+            f"`chatstream {args.command_name}` is not supported on Windows (it needs POSIX "
+            "signals and process groups); run it on Linux or macOS, or in WSL or a container. "
+            "The producer commands and the Python client work here."
+        )
+    return None
+
+
 def run_command(args: argparse.Namespace) -> int:
     redis_url = ""
+    if reason := not_supported_here(args):
+        return fail(reason)
     try:
         settings = load_settings()
         redis_url = settings.redis_url
@@ -364,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat-completion jobs in, live token streams out (Redis Streams).",
     )
     parser.add_argument("--version", action="version", version=f"chatstream {package_version()}")
-    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND", dest="command_name")
     for add in SUBCOMMANDS:
         add(sub)
     return parser

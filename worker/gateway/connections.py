@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -27,6 +27,8 @@ try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # httptools is an extra: uvicorn's h11 protocol serves without it
     HttpToolsProtocol = None  # type: ignore[assignment, misc]
+
+from worker import internals
 
 Address = tuple[Any, Any]
 
@@ -120,9 +122,12 @@ def protocol_class(
     head_timeout: float, registry: Connections, *, implementation: str = "auto"
 ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools when installed, else h11; or as named) with the
-    head timeout and ``registry``."""
+    head timeout and ``registry``; uvicorn's own protocol where its internals moved
+    (``worker.internals``)."""
     base: type[Any] = H11Protocol
     if implementation != "h11" and HttpToolsProtocol is not None:
         base = HttpToolsProtocol
+    if not internals.available("uvicorn-protocols"):
+        return cast("type[asyncio.Protocol]", base)
     attributes = {"head_timeout": head_timeout, "registry": registry}
     return type(f"HeadTimeout{base.__name__}", (HeadTimeout, base), attributes)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-from worker import telemetry
+from worker import internals, telemetry
 from worker.embedded_server import EmbeddedServer, bind, served
 from worker.gateway.app import create_app
 from worker.gateway.connections import protocol_class
@@ -83,6 +83,7 @@ async def serve_gateway(
 ) -> AsyncIterator[str]:
     """The gateway in this event loop; yields its base URL (``http://127.0.0.1:PORT``)."""
     host = settings.gateway_host if host is None else host
+    internals.check_all()  # one line per internal a release moved: what is done instead
     sock = bind(host, settings.gateway_port if port is None else port, backlog=4096)
     server = EmbeddedServer(_config(settings, redis), name="gateway", grace=SHUTDOWN_GRACE_SECONDS)
     async with served(server, sock) as bound:

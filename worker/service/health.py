@@ -84,7 +84,7 @@ class MetricsServer:
     async def stop(self) -> None:
         if self._server is None:
             return
-        self._server.stop_requested.set()
+        self._server.request_stop()
         self._tasks[1].cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._socket is not None:

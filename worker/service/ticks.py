@@ -23,13 +23,38 @@ Elsewhere than Linux the sleep is ``time.sleep``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
+from worker import internals
 from worker.aio import URGENT
+from worker.settings import Settings
 
 EMPTY_PASS = 15e-6  # a pass of the loop shorter than this ran nothing but its poll
+log = logging.getLogger("chatstream.worker")
+
+
+def tick_seconds(settings: Settings) -> float:
+    """The tick a worker runs with: ``CHATSTREAM_WAKE_TICK_MS``, or 0 (off) where the set of
+    urgent sockets cannot work: no epoll (macOS, Windows: said in one line), or redis-py
+    hides the sockets of its connections (``worker.internals`` said which). Without the
+    set every dependent hop would wait for the tick (decision 67's 12 ms configuration:
+    a job's first token about 61 ms later instead of 23), so no tick at all is the honest
+    fallback: the loop wakes for each read, as before decision 60 (decision 81)."""
+    seconds = settings.wake_tick_ms / 1000
+    if seconds <= 0:
+        return 0.0
+    if not URGENT.possible():
+        log.info("no epoll on %s: the wake-up tick is off (docs/scaling.md)", sys.platform)
+        return 0.0
+    sockets_shown = internals.available("redis-connect-hook") and internals.available(
+        "redis-connection-writer"
+    )
+    return seconds if sockets_shown else 0.0
 
 
 class WakeCoalescer:
@@ -57,6 +82,10 @@ class WakeCoalescer:
         if self._tick > 0 and self._handle is None:
             self._ran_at = self._tick_began = self._clock()
             self._handle = asyncio.get_running_loop().call_soon(self._pace)
+
+    @property
+    def on(self) -> bool:
+        return self._tick > 0
 
     @property
     def running(self) -> bool:
@@ -95,7 +124,7 @@ class WakeCoalescer:
         """Nothing but this callback to run: nothing queued behind it where the loop shows
         its queue; else two passes in a row that took next to no time, the pass a sleep
         ended not counted (what woke the loop may be queued behind this callback)."""
-        ready = getattr(loop, "_ready", None)
+        ready = _queue_of(loop)
         if ready is not None:
             return not ready
         quiet = now - self._ran_at < EMPTY_PASS
@@ -111,8 +140,19 @@ class WakeCoalescer:
 # timers fire up to a tick late (a pause that matters is taken under ``URGENT.hurry``).
 
 
+def _queue_of(loop: asyncio.AbstractEventLoop) -> Any:
+    """asyncio's ready queue (None: uvloop, or an asyncio that keeps it elsewhere now)."""
+    if not isinstance(loop, asyncio.BaseEventLoop):
+        return None
+    return getattr(loop, "_ready", None) if internals.available("asyncio-loop-queues") else None
+
+
 def _next_timer_in(loop: asyncio.AbstractEventLoop) -> float:
     """Seconds until the loop's next timer is due (``inf``: none, or not shown)."""
+    if not isinstance(loop, asyncio.BaseEventLoop) or not internals.available(
+        "asyncio-loop-queues"
+    ):
+        return math.inf
     scheduled = getattr(loop, "_scheduled", None)
     if not scheduled:
         return math.inf

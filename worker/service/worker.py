@@ -24,8 +24,8 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from worker import logs, package_version, telemetry
-from worker.aio import cancel_and_wait
+from worker import internals, logs, package_version, telemetry
+from worker.aio import URGENT, cancel_and_wait
 from worker.retry import retry_redis
 from worker.service.entries import EntryFate, HeldEntry
 from worker.service.health import MetricsServer
@@ -36,7 +36,7 @@ from worker.service.pipeline import Attempt, Services, run_job
 from worker.service.routing import Routing
 from worker.service.runtime import default_upstream_unset, startup_summary
 from worker.service.slots import Slots
-from worker.service.ticks import WakeCoalescer
+from worker.service.ticks import WakeCoalescer, tick_seconds
 from worker.service.tracing import NoTracing, tracing_for_process
 from worker.service.upkeep import Upkeep
 from worker.settings import Settings
@@ -45,7 +45,7 @@ from worker.store.liveness import Liveness
 from worker.store.publisher import Publisher
 from worker.store.queue import Entry, Queue
 from worker.store.records import Records, Started
-from worker.store.redis_client import RedisClient
+from worker.store.redis_client import RedisClient, watch_connected
 from worker.store.replication import Replication
 from worker.store.scheduler import config_fields
 from worker.upstream.client import UpstreamClient
@@ -115,7 +115,7 @@ class Worker:
         )
         self.fate = EntryFate(self.queue, self.records, self.replication, self.keys, self.metrics)
         self.upkeep = Upkeep(self)
-        self.ticks = WakeCoalescer(settings.wake_tick_ms / 1000, lambda: bool(self.running))
+        self.ticks = WakeCoalescer(tick_seconds(settings), lambda: bool(self.running))
         self.running: dict[str, HeldEntry] = {}
         self.processed = 0
         self.started_at = time.time()
@@ -130,6 +130,10 @@ class Worker:
 
     async def startup(self) -> None:
         logs.bind(worker=self.name)
+        internals.check_all()  # one line per internal a release moved: what is done instead
+        if self.ticks.on:
+            URGENT.start()  # the sockets whose news ends a tick's sleep (only now: issue 37)
+            watch_connected()
         if self.settings.metrics_port is not None:
             self.http = MetricsServer(
                 self.metrics, self.redis, self.stopping, lambda: self.cannot_consume
@@ -193,6 +197,8 @@ class Worker:
         await self.fate.hand_back_unstarted(max_idle_ms=self._lease_ms * 2 // 3)
         await cancel_and_wait(self._background)
         self.ticks.stop()
+        if self.ticks.on:
+            URGENT.stop()
         await self.publisher.stop()
         await self.replication.aclose()
         with contextlib.suppress(RedisError):

@@ -25,6 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from worker import internals
 from worker.aio import URGENT
 from worker.store.redis_client import connection_socket
 
@@ -152,8 +153,10 @@ def hiredis_reader(connection: AbstractConnection) -> Any:
 
     Its replies are then taken from the reader in one loop (``_hiredis_replies``), without
     redis-py's three layers per reply (a third of the publisher's cost per entry, decision
-    65). The reader is redis-py's private attribute; a test fails on the installed redis-py
-    when it is not found, and without it the replies are read through redis-py as before."""
+    65). The reader is redis-py's private attribute, checked once (``worker.internals``):
+    without it the replies are read through redis-py as before."""
+    if not internals.available("redis-hiredis-reader"):
+        return None
     parser = getattr(connection, "_parser", None)
     reader = getattr(parser, "_reader", None)
     if reader is None or NOT_ENOUGH_DATA is None or not hasattr(parser, "read_from_socket"):

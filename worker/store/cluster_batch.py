@@ -35,6 +35,7 @@ from redis.exceptions import (
     RedisError,
 )
 
+from worker import internals
 from worker.store.batch import BatchSender, Command, ConnectionSender, PipelineSender
 from worker.store.redis_client import RedisClient, is_fake, slot_of
 
@@ -109,8 +110,11 @@ class ClusterSender:
         moved = [i for i, reply in enumerate(replies) if isinstance(reply, MovedError)]
         if not moved:
             return
-        for index in moved:
-            await self._cluster.nodes_manager.move_slot(replies[index])
+        if internals.available("redis-move-slot"):
+            for index in moved:
+                await self._cluster.nodes_manager.move_slot(replies[index])
+        else:  # the public path: the whole map again
+            await self._cluster.nodes_manager.initialize()
         await self._send_grouped(commands, moved, replies)
 
     async def _follow_ask(self, commands: list[Command], replies: list[Any]) -> None:

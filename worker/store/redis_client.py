@@ -49,7 +49,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worker import speedups
+from worker import internals, speedups
 from worker.aio import URGENT, HasFileno, mixed_in, socket_of
 from worker.errors import RedisUnavailableError
 from worker.retry import RedisBackoff
@@ -103,6 +103,8 @@ class Cluster(RedisCluster):
         return slot
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        if not internals.available("redis-cluster-pipeline"):
+            return super().pipeline(transaction, shard_hint)
         return _Pipeline(self, transaction)  # type: ignore[abstract]
 
 
@@ -131,7 +133,8 @@ class ClosedTransportGuard(AbstractConnection):
     async def _connect(self) -> None:
         with URGENT.hurry():
             await super()._connect()  # type: ignore[safe-super, no-untyped-call]
-        URGENT.watch(connection_socket(self))
+        _CONNECTED.add(self)
+        URGENT.watch(connection_socket(self))  # (nothing unless a worker started the set)
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True
@@ -139,7 +142,7 @@ class ClosedTransportGuard(AbstractConnection):
         try:
             await super().send_packed_command(command, check_health)
         except (RuntimeError, TypeError, AttributeError) as exc:
-            if not _transport_closed(self):
+            if not internals.available("redis-connection-writer") or not _transport_closed(self):
                 raise
             await self.disconnect(nowait=True)
             raise RedisConnectionError(
@@ -147,8 +150,22 @@ class ClosedTransportGuard(AbstractConnection):
             ) from exc
 
 
+_CONNECTED: weakref.WeakSet[AbstractConnection] = weakref.WeakSet()
+
+
+def watch_connected() -> None:
+    """The guarded connections made before a worker started ``URGENT`` join it now (the
+    worker's first PING, a test's client)."""
+    for connection in list(_CONNECTED):
+        if connection.is_connected:
+            URGENT.watch(connection_socket(connection))
+
+
 def _transport(connection: AbstractConnection) -> Any:
-    """The asyncio (or uvloop) transport under a redis-py connection (None: not connected)."""
+    """The asyncio (or uvloop) transport under a redis-py connection (None: not connected,
+    or redis-py keeps it elsewhere now: ``worker.internals``)."""
+    if not internals.available("redis-connection-writer"):
+        return None
     return getattr(getattr(connection, "_writer", None), "transport", None)
 
 

@@ -826,10 +826,11 @@ class MockUpstream:
             if not task.done() and not watcher.done():
                 task.cancel()  # we are being cancelled ourselves
         if not task.done():
-            self.disconnects.append((key, time.monotonic()))
-            self.disconnected.set()
+            noticed_at = time.monotonic()
             task.cancel()
-            await asyncio.wait((task,))
+            await asyncio.wait((task,))  # its stream is closed (counted) before it is said
+            self.disconnects.append((key, noticed_at))
+            self.disconnected.set()
             return False
         return task.cancelled() or task.result()
 

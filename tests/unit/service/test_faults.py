@@ -23,6 +23,7 @@ import pytest
 
 from schemas.events import EventType, StreamEvent
 from schemas.jobs import JobRecord
+from tests.helpers.extras import TRANSPORTS
 from tests.helpers.harness import Harness, chat, custom_harness
 from tests.helpers.servers import free_port
 from tests.helpers.tls import make_certs
@@ -255,7 +256,7 @@ async def test_stall_beyond_idle_timeout_fails_and_keeps_partial_output(harness:
     assert harness.mock.key_requests[key] == 1
 
 
-@pytest.mark.parametrize("transport", ["httptools", "httpx"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_an_upstream_dripping_an_event_fails_as_stalled_mid_event(
     harness: Harness, transport: str
 ) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import hiredis
 import pytest
 from redis._parsers import _AsyncHiredisParser, _AsyncRESP3Parser
 from redis.asyncio import Redis
@@ -18,10 +17,13 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.helpers.servers import RedisServer
+from worker import speedups
 from worker.store.batch import Command, ConnectionSender, PipelineSender, hiredis_reader, packer
 from worker.store.cluster_batch import default_sender
 
-PARSERS = {"hiredis": _AsyncHiredisParser, "python": _AsyncRESP3Parser}
+HIREDIS = speedups.hiredis_installed()
+PARSERS = {"python": _AsyncRESP3Parser, **({"hiredis": _AsyncHiredisParser} if HIREDIS else {})}
+needs_hiredis = pytest.mark.skipif(not HIREDIS, reason="needs hiredis (the fast extra)")
 REFUSED: Command = ("EVAL", "return redis.error_reply('OOM command not allowed')", 0)
 
 
@@ -83,6 +85,7 @@ async def test_a_push_message_between_replies_is_not_taken_for_one(client: Redis
         await sender.aclose()
 
 
+@needs_hiredis
 async def test_with_hiredis_the_replies_are_taken_from_its_reader(own_redis: RedisServer) -> None:
     """The installed redis-py still has the reader where the fast path looks for it (an
     upgrade that moves it fails here, not silently in the benchmark)."""
@@ -188,7 +191,10 @@ async def test_a_large_batch_arrives_whole(client: Redis) -> None:
     assert replies == [b"OK"] * 50 + [70_000] * 50
 
 
+@needs_hiredis
 def test_the_hiredis_packer_packs_as_redis_py_does(client: Redis) -> None:
+    import hiredis
+
     connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
     commands: list[Command] = [
         ("EVALSHA", "a" * 40, 2, "p:{j}", "p:{j}:events", 3, 17, '{"content":"é\\n"}', 86400),

@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytest.importorskip("httptools", reason="the httptools transport needs the fast extra")
+
 from tests.helpers.checks import eventually
 from tests.helpers.tls import make_certs
 from worker.aio import URGENT, socket_of
@@ -623,7 +625,7 @@ async def test_a_fed_body_that_keeps_coming_is_not_timed_out_but_a_stall_is() ->
         assert 0.3 <= time.monotonic() - began < 0.9
 
 
-async def test_a_response_is_urgent_until_its_second_body_read() -> None:
+async def test_a_response_is_urgent_until_its_second_body_read(urgent_set: None) -> None:
     """The head, the first byte and the read after it (the first token) end a wake-up
     tick's sleep; the body's further reads wait for the tick (worker.aio.URGENT)."""
     writes: asyncio.Queue[bytes] = asyncio.Queue()
