@@ -517,12 +517,15 @@ async def test_records_from_other_producers(cli: Cli) -> None:
 
 async def test_output_closed_early_exits_quietly(cli: Cli, worker: subprocess.Popen[bytes]) -> None:
     """``| head -1``: exit 141 (SIGPIPE's status) with nothing on stderr, while the job
-    still runs; the job is not disturbed."""
+    still runs; the job is not disturbed. Each job lasts about a second after the first
+    line, so ``head`` has surely gone when the rest is written (a 5-token job could end
+    before a busy machine scheduled ``head``'s exit: exit 0, no pipe was closed yet)."""
     job_id = await cli.client.enqueue(chat("piped", tokens=60, rate=20), job_id="piped")
     chatstream = shlex.quote(CHATSTREAM)
+    mock = json.dumps({"tokens": 20, "rate": 20})
     pipes = [
         f"{chatstream} tail {job_id} --json | head -1",
-        f"{chatstream} enqueue --model m --message x --wait --mock '{{\"tokens\": 5}}' | head -1",
+        f"{chatstream} enqueue --model m --message x --wait --mock '{mock}' | head -1",
     ]
     for pipeline in pipes:
         process = await asyncio.create_subprocess_exec(
