@@ -50,17 +50,6 @@ def _redis_parsers() -> bool:
     return all(hasattr(parsers, n) for n in ("_AsyncHiredisParser", "_AsyncRESP3Parser"))
 
 
-def _hiredis_reader() -> bool:
-    hiredis = import_module("redis._parsers.hiredis")
-    parser = hiredis._AsyncHiredisParser
-    return (
-        hasattr(hiredis, "NOT_ENOUGH_DATA")
-        and _names_in(parser.on_connect, "_reader")
-        and callable(getattr(parser, "read_from_socket", None))
-        and callable(getattr(parser, "handle_push_response", None))
-    )
-
-
 def _connection_writer() -> bool:
     connection = import_module("redis.asyncio.connection").Connection
     return _names_in(connection._connect, "_writer")
@@ -140,13 +129,6 @@ INTERNALS: dict[str, Internal] = {
         "8.0",
         "redis-py picks the reply parser itself (CHATSTREAM_REDIS_PARSER cannot force one)",
         _redis_parsers,
-    ),
-    "redis-hiredis-reader": Internal(
-        "redis",
-        "redis._parsers.hiredis: the parser's _reader, NOT_ENOUGH_DATA, read_from_socket",
-        "8.0",
-        "the publisher reads its replies through redis-py's read_response",
-        _hiredis_reader,
     ),
     "redis-connection-writer": Internal(
         "redis",

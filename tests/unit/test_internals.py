@@ -23,7 +23,7 @@ from worker.aio import URGENT
 from worker.embedded_server import EmbeddedServer, bind, served
 from worker.service import ticks
 from worker.settings import Settings
-from worker.store import batch, cluster_batch, redis_client
+from worker.store import cluster_batch, redis_client
 
 
 @pytest.fixture
@@ -89,20 +89,6 @@ def test_redis_parsers_moved(checks: pytest.LogCaptureFixture, monkeypatch: Any)
     monkeypatch.delattr(redis._parsers, "_AsyncRESP3Parser")
     assert speedups.parser_class(Settings(_env_file=None, redis_parser="python")) is DefaultParser
     missing(checks, "redis-parsers")
-
-
-def test_hiredis_reader_moved(checks: pytest.LogCaptureFixture, monkeypatch: Any) -> None:
-    if not speedups.hiredis_installed():
-        pytest.skip("needs hiredis (the fast extra)")
-    hiredis = pytest.importorskip("redis._parsers.hiredis")
-    reader = object()
-    connection = Connection(parser_class=hiredis._AsyncHiredisParser)
-    connection._parser._reader = reader  # type: ignore[attr-defined]  # as after a connect
-    assert batch.hiredis_reader(connection) is reader
-    internals.forget()
-    monkeypatch.delattr(hiredis._AsyncHiredisParser, "read_from_socket")
-    assert batch.hiredis_reader(connection) is None  # replies through read_response
-    missing(checks, "redis-hiredis-reader")
 
 
 class _Closed(AbstractConnection):

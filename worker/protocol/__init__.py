@@ -4,6 +4,5 @@
 ``sse``         incremental WHATWG SSE decoder: bytes in, each event's data out
 ``accumulator`` validates ``chat.completion.chunk`` data and routes it to each choice
 ``message``     the merge rules, once: the final message, the deltas to publish
-``template``    chunk templates: repetitive chunks folded without parsing their JSON
 =============== ======================================================================
 """

@@ -3,14 +3,13 @@
 Pure and on the hot path: :meth:`Accumulator.fold_all` takes the data fields of one
 upstream read as raw bytes (``SSEDecoder.feed_data``), :meth:`Accumulator.take_delta`
 returns what they added as one :class:`Delta` to publish, :meth:`Accumulator.finish` the
-final message. Chunks are the plain dicts ``pydantic_core.from_json`` returns (``parse_json``).
+final message. Chunks are the plain dicts ``pydantic_core.from_json`` returns (``_parse_json``).
 
 The accumulator reads; ``worker/protocol/message.py`` merges. It validates each chunk and routes
 its fields to the :class:`~worker.message.Message` of their choice, which holds every
 merge rule once. The fast path (a chunk whose only effect is a string appended to choice
 0's content, to a call's arguments or to the last reasoning entry, found by a few type
-checks or by a template match, ``worker/protocol/template.py``) skips validation and routing,
-never the merge.
+checks) skips validation and routing, never the merge.
 
 Reading chunks (the rules of the upstream side):
 
@@ -42,15 +41,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from pydantic_core import from_json
+
 from schemas.jobs import EXTRAS
 from worker.errors import MidStreamError, ProtocolError, TruncatedStreamError, snippet
-from worker.protocol.message import CONCAT, Delta, Message, ReasoningEntry, joins, pair_surrogates
-from worker.protocol.template import ChunkTemplate, Path, is_clean, learn, parse_json
+from worker.protocol.message import CONCAT, Delta, Message, joins, pair_surrogates
 
 __all__ = ["Accumulator", "Delta", "FinalMessage"]
 
 DONE = b"[DONE]"
 End = Literal["done", "complete", "truncated", "error"]
+
+
+def _parse_json(data: bytes) -> Any:
+    """``from_json`` without its string cache: jiter keeps up to 16,384 strings (keys and
+    values) in a process-wide cache, and an upstream's values are mostly new (completion ids,
+    tokens), so the cache filled with one job's strings after another through a worker's
+    first thousands of jobs (about 1 MB; docs/decisions.md, 75) for no measured gain."""
+    return from_json(data, cache_strings=False)
 
 
 def _bad(what: str, value: Any) -> ProtocolError:
@@ -106,13 +114,10 @@ def status_of(code: Any) -> int | None:
 
 class _Fast(NamedTuple):
     """What a fast chunk appends to: ``kind`` "text" (choice 0's content), "args" (call
-    ``call``) or "reasoning" (``key`` of ``entry``, the last entry, which ``fragment``
-    joins without adding a key)."""
+    ``call``) or "reasoning" (``key``, "text" or "summary", of the last reasoning entry)."""
 
     kind: str
     call: int = 0
-    entry: ReasoningEntry | None = None
-    fragment: dict[str, Any] | None = None
     key: str = "text"
 
 
@@ -122,16 +127,6 @@ _TRAILERS = ("usage", *EXTRAS)
 _TEXT_DELTA = frozenset({"content", "role", "refusal"})
 _ARGS_DELTA = frozenset({"tool_calls", "content", "role", "refusal"})
 _REASONING_DELTA = frozenset({"reasoning_details", "reasoning", "reasoning_content", *_ARGS_DELTA})
-# templates (worker/protocol/template.py): where a fast kind's value sits; string fields never read
-# that may change from chunk to chunk (usually the value itself; random ones never are)
-_DELTA: Path = ("choices", 0, "delta")
-_VALUE: dict[str, Path] = {
-    "text": (*_DELTA, "content"),
-    "args": (*_DELTA, "tool_calls", 0, "function", "arguments"),
-    "reasoning": (*_DELTA, "reasoning_details", 0),
-}
-_IGNORED: tuple[Path, ...] = ((*_DELTA, "reasoning"), (*_DELTA, "reasoning_content"))
-_RANDOM: tuple[Path, ...] = (("obfuscation",),)
 # where a chunk's text fragments sit: their lone surrogates wait for the join (see _valid)
 _TEXT_PATHS: dict[str, Any] = {"choices": {"*": {"delta": {
     "content": True, "refusal": True, "reasoning": True, "reasoning_content": True,
@@ -229,10 +224,6 @@ class Accumulator:
         self._model: str | None = None
         self._lenient = False  # a chunk was read by json.loads: text may hold lone surrogates
         self._fed = False  # data arrived since the last take_delta
-        # the template of the latest fast chunk; learning attempts; chunks parsed, and
-        # chunks that added output (parsed or matched)
-        self._template: ChunkTemplate[_Fast] | None = None
-        self._learns = self._parsed = self._folded = 0
 
     @property
     def closed(self) -> bool:
@@ -248,23 +239,11 @@ class Accumulator:
 
     def fold_all(self, fields: Iterable[bytes]) -> int:
         """Fold the data fields of one read (raw bytes, as ``SSEDecoder.feed_data`` returns
-        them) in order; return how many added output. A field that matches the template of
-        the stream's repetitive chunks is folded without parsing it."""
+        them) in order; return how many added output."""
         if not fields:
             return 0
-        added, self._fed = 0, True
-        for data in fields:
-            template = self._template
-            if (
-                template is not None
-                and (value := template.match(data)) is not None
-                and self._fold_fast(template.key, value)
-            ):
-                added += 1
-            else:
-                added += self._fold_parsed(data)
-        self._folded += added
-        return added
+        self._fed = True
+        return sum([self._fold_parsed(data) for data in fields])
 
     def take_delta(self) -> Delta | None:
         """Everything folded since the last call, as one delta to publish (None: nothing)."""
@@ -299,12 +278,10 @@ class Accumulator:
         chunk = self._parse(data)
         if chunk is _SKIP:
             return False
-        self._parsed += 1
         fast = self._fast(chunk)
         if fast is None:
             return self._fold_chunk(chunk)
         self._fold_fast(*fast)
-        self._learn(data, chunk, *fast)
         return True
 
     def _parse(self, data: bytes) -> Any:
@@ -314,7 +291,7 @@ class Accumulator:
             self._close()
             return _SKIP
         try:
-            return parse_json(data)
+            return _parse_json(data)
         except (ValueError, RecursionError):
             pass
         text = data.decode("utf-8", "replace")  # invalid UTF-8: U+FFFD, as in SSE events
@@ -329,21 +306,15 @@ class Accumulator:
 
     # the fast path: one string appended
 
-    def _fold_fast(self, fast: _Fast, value: str) -> bool:
-        """Append ``value`` where ``fast`` says; False (and the template dropped) when the
-        reasoning entry it continued no longer takes fragments."""
+    def _fold_fast(self, fast: _Fast, value: str) -> None:
+        """Append ``value`` where ``fast`` says (``_fast`` checked that it may)."""
         message, kind = self._message, fast.kind
         if kind == "args":
             message.add_arguments(fast.call, value)
         elif kind == "text":
             message.content.append(value)
         else:
-            entry, fragment = message.reasoning[-1], fast.fragment
-            if entry is not fast.entry or fragment is None or not joins(entry, fragment):
-                self._template = None
-                return False
             message.add_reasoning_text(fast.key, value)
-        return True
 
     def _fast(self, chunk: Any) -> tuple[_Fast, str] | None:
         """A chunk whose only effect is one string appended to choice 0's content, to a
@@ -409,23 +380,7 @@ class Accumulator:
         for other, known in fragment.items():
             if other != key and known is not None and entry.keys.get(other) != known:
                 return None
-        return _Fast("reasoning", entry=entry, fragment=fragment, key=key), value
-
-    def _learn(self, data: bytes, chunk: Any, fast: _Fast, value: str) -> None:
-        """Learn the template of a fast chunk. An attempt costs several parses, so they are
-        rationed: 8, then one per 16 chunks that templates folded and one per 256 parsed
-        chunks. A stream whose chunks never repeat pays a few percent for them."""
-        if not is_clean(value):
-            return
-        matched = self._folded - self._parsed  # about: parsed chunks may add nothing
-        if self._learns >= 8 + max(matched, 0) // 16 + self._parsed // 256:
-            self._template = None  # it missed this chunk: stop trying it until a new one
-            return
-        self._learns += 1
-        want = _VALUE[fast.kind] + ((fast.key,) if fast.kind == "reasoning" else ())
-        template = learn(data, chunk, want, _IGNORED, _RANDOM, fast)
-        if template is not None:
-            self._template = template
+        return _Fast("reasoning", key=key), value
 
     # the general path: validate, route to the Message rules
 
@@ -461,9 +416,8 @@ class Accumulator:
             self._close()
 
     def _close(self) -> None:
-        """[DONE] or an error: everything after it is ignored, templates included."""
+        """[DONE] or an error: everything after it is ignored."""
         self._closed = True
-        self._template = None
 
     def _fold_choice(self, choice: Any) -> bool:
         """Validate a choice's delta into the published form and merge it; whether it had

@@ -21,30 +21,11 @@ from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection, DefaultParser
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worker import internals
 from worker.aio import URGENT
 from worker.store.redis_client import connection_socket
-
-try:  # what redis-py's hiredis reader answers while a reply is incomplete
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA
-except ImportError:  # pragma: no cover (another redis-py: read through redis-py)
-    NOT_ENOUGH_DATA = None
-
-
-def _push_type() -> Any:
-    """hiredis's type of a RESP3 push message (hiredis >= 3.2), or None."""
-    try:
-        import hiredis
-    except ImportError:  # pragma: no cover (no hiredis: its reader is never found)
-        return None
-    return getattr(hiredis, "PushNotification", None)
-
-
-_PUSH = _push_type()
 
 Command = tuple[Any, ...]  # e.g. ("EVALSHA", sha, 2, key, key, arg, ...)
 Packer = Callable[[list[Command]], "bytes | list[bytes]"]
@@ -134,57 +115,15 @@ class ConnectionSender:
 
 
 async def _replies(connection: AbstractConnection, count: int) -> list[Any]:
-    """``count`` replies in order (one coroutine for all: the per-reply cost is the parser's)."""
-    reader = hiredis_reader(connection)
-    if reader is not None:
-        return await _hiredis_replies(connection, reader, count)
+    """``count`` replies in order, through redis-py's ``read_response`` (its parser: hiredis
+    when installed); a refused command's error is its reply, the others' still follow."""
     replies: list[Any] = []
     read = connection.read_response
     for _ in range(count):
         try:
             replies.append(await read(disable_decoding=True))
-        except ResponseError as exc:  # refused: the others' replies still follow
+        except ResponseError as exc:
             replies.append(exc)
-    return replies
-
-
-def hiredis_reader(connection: AbstractConnection) -> Any:
-    """The ``hiredis.Reader`` of a connection that parses with hiredis, else None.
-
-    Its replies are then taken from the reader in one loop (``_hiredis_replies``), without
-    redis-py's three layers per reply (a third of the publisher's cost per entry, decision
-    65). The reader is redis-py's private attribute, checked once (``worker.internals``):
-    without it the replies are read through redis-py as before."""
-    if not internals.available("redis-hiredis-reader"):
-        return None
-    parser = getattr(connection, "_parser", None)
-    reader = getattr(parser, "_reader", None)
-    if reader is None or NOT_ENOUGH_DATA is None or not hasattr(parser, "read_from_socket"):
-        return None
-    return reader
-
-
-async def _hiredis_replies(connection: AbstractConnection, reader: Any, count: int) -> list[Any]:
-    """What redis-py's ``read_response`` does per reply, for ``count`` replies: a refused
-    command's error is its reply, one that says the server cannot serve (``LOADING``, a
-    ``ConnectionError``) fails the round trip, as does a lost connection; a RESP3 push
-    message between replies goes to the parser's handler, as redis-py does."""
-    parser: Any = connection._parser  # (hiredis_reader)
-    replies: list[Any] = []
-    gets = reader.gets
-    while len(replies) < count:
-        reply = gets(False)
-        if reply is NOT_ENOUGH_DATA:
-            try:
-                await parser.read_from_socket()
-            except OSError as exc:
-                raise RedisConnectionError(f"Error while reading from Redis: {exc}") from exc
-        elif isinstance(reply, RedisConnectionError):
-            raise reply
-        elif _PUSH is not None and isinstance(reply, _PUSH):
-            await parser.handle_push_response(reply)
-        else:
-            replies.append(reply)
     return replies
 
 

@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tests.helpers.servers import RedisServer
 from worker import speedups
-from worker.store.batch import Command, ConnectionSender, PipelineSender, hiredis_reader, packer
+from worker.store.batch import Command, ConnectionSender, PipelineSender, packer
 from worker.store.cluster_batch import default_sender
 
 HIREDIS = speedups.hiredis_installed()
@@ -83,23 +83,6 @@ async def test_a_push_message_between_replies_is_not_taken_for_one(client: Redis
         assert await sender.send([("PING",), ("GET", "tracked")]) == [b"PONG", b"changed"]
     finally:
         await sender.aclose()
-
-
-@needs_hiredis
-async def test_with_hiredis_the_replies_are_taken_from_its_reader(own_redis: RedisServer) -> None:
-    """The installed redis-py still has the reader where the fast path looks for it (an
-    upgrade that moves it fails here, not silently in the benchmark)."""
-    found = {}
-    for name, parser in PARSERS.items():
-        redis = Redis.from_url(own_redis.url, parser_class=parser)
-        sender = ConnectionSender(redis)
-        try:
-            assert await sender.send([("PING",)]) == [b"PONG"]
-            found[name] = hiredis_reader(sender._connection) is not None
-        finally:
-            await sender.aclose()
-            await redis.aclose()
-    assert found == {"hiredis": True, "python": False}
 
 
 async def test_pipeline_sender_gives_the_same_script_replies(client: Redis) -> None:
