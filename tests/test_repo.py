@@ -152,7 +152,6 @@ SHARED = {
     "embedded_server",
     "telemetry",
     "telemetry_sdk",
-    "telemetry_spans",
     "internals",
 }
 ALLOWED = {  # besides the shared modules and schemas, which every room may import

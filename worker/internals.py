@@ -90,12 +90,6 @@ def _proxy_meter_provider() -> bool:
     return hasattr(import_module("opentelemetry.metrics._internal"), "_ProxyMeterProvider")
 
 
-def _exporter_client() -> bool:
-    exporter = import_module("opentelemetry.exporter.otlp.proto.http.trace_exporter")
-    init, export = exporter.OTLPSpanExporter.__init__, exporter.OTLPSpanExporter.export
-    return _names_in(init, "_client") and _names_in(export, "_client", "export")
-
-
 def _capture_signals() -> bool:
     server = import_module("uvicorn").Server
     return callable(getattr(server, "capture_signals", None)) and _names_in(
@@ -180,13 +174,6 @@ INTERNALS: dict[str, Internal] = {
         "chatstream's MeterProvider is offered through set_meter_provider and kept only if "
         "the API took it",
         _proxy_meter_provider,
-    ),
-    "otel-exporter-client": Internal(
-        "opentelemetry-exporter-otlp-proto-http",
-        "OTLPSpanExporter._client.export",
-        "1.45",
-        "spans are encoded by the SDK's own encoder",
-        _exporter_client,
     ),
     "uvicorn-capture-signals": Internal(
         "uvicorn",

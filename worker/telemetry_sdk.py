@@ -9,8 +9,6 @@ variables themselves (``OTEL_EXPORTER_OTLP_*``, ``OTEL_BSP_*``,
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import metrics, trace
@@ -19,42 +17,10 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from worker import internals
-from worker.telemetry_spans import SpanEncoder
-
-log = logging.getLogger("chatstream.telemetry")
-
-
-class SpanExporter(OTLPSpanExporter):
-    """The SDK's OTLP/HTTP span exporter (endpoint, headers, TLS, compression, timeout and
-    retries from the standard variables) sending requests that :mod:`worker.telemetry_spans`
-    encodes, at a third to a fifth of the SDK encoder's cost (decision 63).
-
-    It hands the bytes to the exporter's HTTP client, which is not public API (checked
-    once, ``worker.internals``): where an SDK release lacks it, :attr:`encodes` is False
-    and every export is the SDK's own.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._encoder = SpanEncoder()
-        client = getattr(self, "_client", None)
-        usable = internals.available("otel-exporter-client")
-        self.encodes = usable and callable(getattr(client, "export", None))
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if not self.encodes or self._shutdown:
-            return super().export(spans)  # the SDK's (a shut down one logs and fails)
-        try:
-            data = self._encoder.request(spans)
-        except Exception as exc:  # as the SDK's exporter: a batch that fails is dropped
-            log.error("OpenTelemetry: encoding %d spans failed: %r", len(spans), exc)
-            return SpanExportResult.FAILURE
-        sent = self._client.export(data).success
-        return SpanExportResult.SUCCESS if sent else SpanExportResult.FAILURE
 
 
 def resource(service_name: str) -> Resource:
@@ -71,7 +37,7 @@ def install(service_name: str, *, traces: bool, meters: bool) -> list[Any]:
     where = resource(service_name)
     if traces and not _set(trace.get_tracer_provider()):
         tracer_provider = TracerProvider(resource=where)
-        tracer_provider.add_span_processor(BatchSpanProcessor(SpanExporter()))
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(tracer_provider)
         installed.append(tracer_provider)
     if meters and not _set(metrics.get_meter_provider()):

@@ -224,22 +224,6 @@ def test_proxy_meter_provider_moved(checks: pytest.LogCaptureFixture, monkeypatc
     missing(checks, "otel-proxy-meter-provider")
 
 
-def test_exporter_client_moved(checks: pytest.LogCaptureFixture, monkeypatch: Any) -> None:
-    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    from worker.telemetry_sdk import SpanExporter
-
-    def export(self: Any, spans: Any) -> Any:  # a release that sends through something else
-        return self._session.post(spans)
-
-    monkeypatch.setattr(OTLPSpanExporter, "export", export)
-    exporter = SpanExporter()
-    assert not exporter.encodes  # every export is the SDK's own
-    exporter.shutdown()  # type: ignore[no-untyped-call]  # the SDK's, untyped
-    missing(checks, "otel-exporter-client")
-
-
 def test_capture_signals_moved(checks: pytest.LogCaptureFixture, monkeypatch: Any) -> None:
     monkeypatch.delattr(uvicorn.Server, "capture_signals")
     EmbeddedServer(uvicorn.Config(lambda *a: None, log_config=None))
