@@ -107,6 +107,27 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert any("tests/test_repo.py" in line for line in ci)  # the comment that cites this test
 
 
+def matrix_tests() -> list[str]:
+    """The test paths and node ids ``.ci/matrix`` hands every other cell (its arrays)."""
+    found: list[str] = []
+    for line in (ROOT / ".ci" / "matrix").read_text(encoding="utf-8").splitlines():
+        words = line.replace("(", " ").replace(")", " ").replace('"', " ").split()
+        found.extend(word for word in words if word.startswith("tests/"))
+    return found
+
+
+def test_the_matrix_names_only_tests_that_exist() -> None:
+    """A cell given a path that is gone runs no test at all (pytest stops at the missing
+    file), so a renamed or retired test file would silently empty the matrix."""
+    tests = matrix_tests()
+    assert len(tests) > 10, tests
+    for test in tests:
+        path, _, name = test.partition("::")
+        assert (ROOT / path).exists(), test
+        if name:
+            assert f"def {name}(" in (ROOT / path).read_text(encoding="utf-8"), test
+
+
 GROUPED = """
 import os
 
