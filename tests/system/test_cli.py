@@ -96,7 +96,7 @@ class Cli:
         return await asyncio.create_subprocess_exec(
             CHATSTREAM,
             *args,
-            env={**self.env, **(env or {})},
+            env={**self.env, "PYTHONFAULTHANDLER": "1", **(env or {})},
             cwd=self.cwd,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -136,6 +136,33 @@ async def read_until(stream: asyncio.StreamReader, marker: bytes, timeout: float
             assert chunk, f"EOF before {marker!r}: {data!r}"
             data += chunk
     return data
+
+
+async def interrupt(process: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+    """Ctrl-C, then the command's whole output once it exits (within ``DEADLINE``). One
+    that does not exit is sent SIGABRT, which Python's faulthandler (``PYTHONFAULTHANDLER``,
+    set by ``Cli.start``) answers with every thread's stack on stderr: the failure then
+    says where the command stood, not only that it stood."""
+    assert process.stdout is not None and process.stderr is not None
+    out, err = bytearray(), bytearray()
+
+    async def drain(stream: asyncio.StreamReader, into: bytearray) -> None:
+        while chunk := await stream.read(65536):
+            into += chunk
+
+    readers = [drain(process.stdout, out), drain(process.stderr, err)]
+    reading = asyncio.ensure_future(asyncio.gather(*readers))
+    process.send_signal(signal.SIGINT)
+    try:
+        async with asyncio.timeout(DEADLINE):
+            await asyncio.shield(reading)
+            await process.wait()
+    except TimeoutError:
+        process.send_signal(signal.SIGABRT)
+        await asyncio.wait_for(reading, DEADLINE)
+        await process.wait()
+        pytest.fail(f"no exit {DEADLINE}s after Ctrl-C; its stderr:\n{err.decode()[-6000:]}")
+    return bytes(out), bytes(err)
 
 
 # -- enqueue, tail, status, cancel --------------------------------------------------------

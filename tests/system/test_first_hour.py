@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from tests.helpers.fleet import Fleet
 from tests.helpers.harness import chat
 from tests.helpers.processes import CHATSTREAM, clean_env
 from tests.helpers.servers import free_port
-from tests.system.test_cli import DEADLINE, Cli, read_until, run_chatstream
+from tests.system.test_cli import DEADLINE, Cli, interrupt, read_until, run_chatstream
 from worker.cli.demo import DEMO_REPLY
 from worker.testing.mock_upstream import serve_mock
 
@@ -125,9 +124,7 @@ async def test_ctrl_c_during_follow_says_the_job_goes_on(cli: Cli) -> None:
     )  # fmt: skip
     assert process.stdout is not None and process.stderr is not None
     await read_until(process.stdout, b"tok1")
-    process.send_signal(signal.SIGINT)
-    async with asyncio.timeout(DEADLINE):
-        out, err = await process.communicate()
+    out, err = await interrupt(process)
     assert process.returncode == 130
     assert out.endswith(b"\n")  # the partial line of tokens is ended
     entries = await stream_entries(cli.redis, cli.keys, "interrupted")
@@ -142,9 +139,7 @@ async def test_ctrl_c_during_follow_says_the_job_goes_on(cli: Cli) -> None:
     tail = await cli.start("tail", "interrupted", "--after", last)  # the hint, as printed
     assert tail.stdout is not None
     await read_until(tail.stdout, b"tok")
-    tail.send_signal(signal.SIGINT)
-    async with asyncio.timeout(DEADLINE):
-        out, err = await tail.communicate()
+    out, err = await interrupt(tail)
     assert tail.returncode == 130 and out.endswith(b"\n")
     [line] = err.decode().splitlines()
     assert line.startswith(prefix) and line != f"{prefix}{last})", line  # it moved on
