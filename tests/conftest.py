@@ -10,6 +10,7 @@ with a visible warning in the report header; under CI (``CI=true``) that is an e
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -41,6 +42,22 @@ if TYPE_CHECKING:
     from playwright.async_api import Browser
 
     from tests.helpers.deployments import Cluster, Sentinels
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    interruptible_children()
+
+
+def interruptible_children() -> None:
+    """The commands the tests Ctrl-C must see it. A shell without job control (a CI script's
+    ``&``, ``nohup``) starts its background jobs with SIGINT ignored; an ignored signal is
+    inherited through ``exec``, and Python keeps it ignored (``asyncio.Runner`` then installs
+    no handler), as a background job should. So under such a runner every CLI process the
+    tests start ignored their SIGINT, and its Ctrl-C tests waited for a process that never
+    heard it. The test processes take Python's default handler back, which ``exec`` resets
+    to the default action in their children."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_report_header() -> str:
