@@ -25,7 +25,11 @@ pytestmark = pytest.mark.xdist_group("worker-processes")
 
 JOBS = 20_000
 WARM_UP = 2_000  # jobs done before the footprint counts as warm
-FEW_PERCENT = 1.05
+FEW_PERCENT = 1.05  # RSS
+# Descriptors move by whole Redis connections: the pool opens one per round trip in flight,
+# and a loaded machine overlaps more of them (CI: 130 at the warm-up's peak, 137 as the queue
+# emptied, 115 a second later). What the issue saw was accumulation: +50% to +480%.
+FEW_PERCENT_FDS = 1.10
 CONCURRENCY = 64  # slots per worker: all busy within the warm-up's first second
 
 
@@ -68,13 +72,13 @@ def open_fds(workers: list[Process]) -> list[int]:
 
 
 def assert_flat_after_warm_up(worker: Samples) -> None:
-    """RSS within 5% of the warm-up's, and no new peak of open fds."""
+    """RSS within 5% of the warm-up's, open fds within 10% of the warm-up's peak."""
     warm_rss, warm_fds = worker.warm()
     later = worker.after_warm_up()
     most_rss, most_fds = max(rss for _, rss, _ in later), max(fds for *_, fds in later)
     print(f"RSS {warm_rss} -> at most {most_rss} KiB, fds {warm_fds} -> at most {most_fds}")
     assert most_rss <= warm_rss * FEW_PERCENT, worker.rows
-    assert most_fds <= warm_fds * FEW_PERCENT, worker.rows
+    assert most_fds <= warm_fds * FEW_PERCENT_FDS, worker.rows
 
 
 async def assert_back_to_idle(workers: list[Process], idle: list[int]) -> None:
@@ -96,7 +100,7 @@ async def test_a_workers_memory_and_descriptors_stay_flat_over_a_20000_job_drain
     redis_server: RedisServer | None, redis: RedisClient, prefix: str, tmp_path: Path
 ) -> None:
     """After the first 2,000 jobs each worker's RSS stays within 5% of what it was then, its
-    open fds make no new peak, and once the queue is empty it holds no more descriptors
+    open fds within 10% of their peak then, and once the queue is empty it holds no more descriptors
     than it did idle before the drain (plus the spare Redis connections it keeps): the
     Redis connections a burst of job starts opened are closed again, and so are the
     upstream connections past their keep-alive expiry."""
