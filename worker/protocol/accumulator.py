@@ -94,19 +94,25 @@ class FinalMessage:
         message = error.get("message")
         return MidStreamError(
             message if isinstance(message, str) and message else "upstream mid-stream error",
-            status=status_of(error.get("code")),
+            status=error_status(error),
             detail=error,
         )
 
 
-def status_of(code: Any) -> int | None:
-    """An error object's ``code`` as an HTTP status: a number, or a string of three digits
-    (LiteLLM and others send ``"503"``); None for a name (``"rate_limit_exceeded"``)."""
-    if type(code) is int:
-        return code
-    if isinstance(code, str) and len(code) == 3 and code.isascii() and code.isdigit():
-        return int(code)
+def error_status(error: dict[str, Any]) -> int | None:
+    """The HTTP status an error object carries in ``code`` or ``status``, as a number or a
+    string of three digits (LiteLLM sends ``"503"``); None for a name
+    (``"rate_limit_exceeded"``)."""
+    for key in ("code", "status"):
+        if (status := _as_status(error.get(key))) is not None:
+            return status
     return None
+
+
+def _as_status(value: Any) -> int | None:
+    if isinstance(value, str) and len(value) == 3 and value.isascii() and value.isdigit():
+        value = int(value)
+    return value if type(value) is int and 100 <= value <= 599 else None
 
 
 # --- reading chunks -----------------------------------------------------------------------

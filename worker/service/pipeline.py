@@ -33,6 +33,7 @@ from worker import logs
 from worker.errors import (
     ChatstreamError,
     InvalidJobError,
+    MidStreamError,
     RetryableStreamError,
     StaleAttemptError,
     TruncatedStreamError,
@@ -53,7 +54,7 @@ from worker.store.records import Records, dumps
 from worker.upstream.client import UpstreamClient
 from worker.upstream.gate import IdleSlot, keep_slot
 from worker.upstream.idle import ProgressDeadline
-from worker.upstream.verdict import error_status, judge, judge_stream_error
+from worker.upstream.verdict import judge
 
 log = logging.getLogger("chatstream.pipeline")
 REDACTED = "[REDACTED]"  # a credential in what an upstream sent, as the record keeps it
@@ -302,15 +303,9 @@ async def stream_once(
 def _raise_retryable_stream_error(acc: Accumulator) -> None:
     """An error chunk after the 200 that says "try again" (overloaded, rate limited, a
     server error) is a retryable failure of the target, not the job's end."""
-    error = acc.finish().error if acc.closed else None
-    if error is None or not judge_stream_error(error).move:
-        return
-    message = error.get("message")
-    raise RetryableStreamError(
-        message if isinstance(message, str) and message else "upstream mid-stream error",
-        status=error_status(error),
-        detail=error,
-    )
+    failure = acc.finish().exception() if acc.closed else None
+    if isinstance(failure, MidStreamError) and judge(failure).move:
+        raise RetryableStreamError(failure.message, status=failure.status, detail=failure.detail)
 
 
 def _folder(

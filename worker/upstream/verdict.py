@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from worker.errors import ChatstreamError, MidStreamError, RetryableUpstreamError
+from worker.protocol.accumulator import error_status
 
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
 # an error chunk's type or code that says "try again, maybe elsewhere" (OpenAI, Anthropic,
@@ -78,18 +79,6 @@ def judge_stream_error(error: dict[str, Any]) -> Verdict:
 def retryable_status(status: int) -> bool:
     """408, 409, 425, 429 and every 5xx (529, "overloaded", included)."""
     return status in RETRYABLE_STATUSES or 500 <= status <= 599
-
-
-def error_status(error: dict[str, Any]) -> int | None:
-    """The HTTP status an error object carries in ``code`` or ``status``, as a number or a
-    string of digits (``"503"``, as LiteLLM sends it)."""
-    for key in ("code", "status"):
-        value = error.get(key)
-        if type(value) is int and 100 <= value <= 599:
-            return value
-        if isinstance(value, str) and value.isdigit() and 100 <= int(value) <= 599:
-            return int(value)
-    return None
 
 
 def _mentions_context(message: Any, detail: Any) -> bool:
