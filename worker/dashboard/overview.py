@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.store.activity import STATUSES, merge, per_name, quantile, series, ttft_histogram
-from worker.store.fleet import Fleet, Shard, TargetHealth, Use, Waiting
+from worker.store.fleet import Fleet, Shard, TargetHealth, Use, Waiting, route_targets
 
 TOP_TENANTS = 100  # tenant rows in the live overview (all of them: /api/tenants)
 HOUR = 60  # minutes
@@ -206,7 +206,7 @@ def route_rows(
     routes = shards[0].routes() if shards else {}
     for name, route in sorted(routes.items()):
         paused = [shard.paused[name] for shard in shards if name in shard.paused]
-        listed = [*route.get("t", []), *([route["c"]] if route.get("c") else [])]
+        listed = route_targets(route)
         states = [_target_row(name, t, targets, fleet.now, i) for i, t in enumerate(listed)]
         down = [row for row in states if row["down"] is not None]
         rows.append(
@@ -241,9 +241,8 @@ def _target_row(
 ) -> dict[str, Any]:
     upstream, model = str(target[0]), str(target[1])
     health = targets.get((upstream, model), TargetHealth())
-    skipped = health.down_until is not None and (health.down_until > now * 1000 or health.probing)
     down = None
-    if skipped:
+    if health.skipped(now * 1000):
         since = (health.since or int(now * 1000)) / 1000
         down = {
             "since": since,

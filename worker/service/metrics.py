@@ -41,9 +41,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from schemas.jobs import TERMINAL
 from worker.errors import ChatstreamError, ProtocolError, UpstreamError
 from worker.store.activity import Finished, Tally
+from worker.store.fleet import FleetReader
 from worker.store.keys import Keys
 from worker.store.redis_client import RedisClient
-from worker.store.scheduler import Scheduler, ShardCounts, TargetDown
+from worker.store.scheduler import Scheduler, ShardCounts
 from worker.store.stats import QueueCounts, queue_counts
 
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -186,7 +187,7 @@ class RouteGauges:
     the maintenance loop: every worker serves the same values)."""
 
     def __init__(self) -> None:
-        self.down: list[TargetDown] = []
+        self.down: list[tuple[str, str, str, bool]] = []  # (route, upstream, model, skipped)
 
     def describe(self) -> Iterable[Metric]:
         return [self._family([])]
@@ -195,15 +196,15 @@ class RouteGauges:
         return [self._family(self.down)] if self.down else []
 
     @staticmethod
-    def _family(rows: list[TargetDown]) -> Metric:
+    def _family(rows: list[tuple[str, str, str, bool]]) -> Metric:
         family = GaugeMetricFamily(
             "chatstream_route_target_down",
             "1 while every worker skips the route's target (it failed; one job probes it "
             "after its cooldown), else 0",
             labels=["route", "upstream", "model"],
         )
-        for row in rows:
-            family.add_metric([row.route, row.upstream, row.model[:MAX_MODEL_LABEL]], row.down)
+        for route, upstream, model, down in rows:
+            family.add_metric([route, upstream, model[:MAX_MODEL_LABEL]], int(down))
         return family
 
 
@@ -493,11 +494,10 @@ class Metrics:
     async def refresh_queue(
         self, redis: RedisClient, keys: Keys, targets: list[tuple[str, str, str]] | None = None
     ) -> None:
-        scheduler = Scheduler(redis, keys)
         self.queue.counts = await queue_counts(redis, keys)
-        self.queue.scheduled = await scheduler.counts()
+        self.queue.scheduled = await Scheduler(redis, keys).counts()
         if targets:
-            self.routes.down = await scheduler.targets_down(targets)
+            self.routes.down = await FleetReader(redis, keys).targets_down(targets)
 
 
 # -- the HTTP server ----------------------------------------------------------------------

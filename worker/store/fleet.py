@@ -23,13 +23,14 @@ of tenants or jobs (docs/dashboard.md says what each costs):
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import ResponseError
 
 from worker.store import lua
-from worker.store.keys import GROUP, Keys
+from worker.store.keys import BREAKER_FIELDS, GROUP, Keys
 from worker.store.records import as_text
 from worker.store.redis_client import RedisClient
 
@@ -112,6 +113,10 @@ class TargetHealth:
     probing: bool = False
     answered: bool = False  # it answered lately (no trial)
     whole_upstream: bool = False  # its upstream could not be reached
+
+    def skipped(self, now_ms: float) -> bool:
+        """Every worker passes it over: its cooldown runs, or a probe is trying it."""
+        return self.down_until is not None and (self.down_until > now_ms or self.probing)
 
 
 @dataclass(slots=True)
@@ -205,24 +210,34 @@ class FleetReader:
 
     async def read_targets(self, fleet: Fleet) -> dict[tuple[str, str], TargetHealth]:
         """The breaker's state of every target of the published routes (shard 0)."""
-        targets = {
-            (str(t[0]), str(t[1]))
-            for route in (fleet.shards[0].routes().values() if fleet.shards else ())
-            for t in [*route.get("t", []), *([route["c"]] if route.get("c") else [])]
-        }
-        wanted = sorted(targets)
-        prefix = self.keys.sched(0)
+        routes = fleet.shards[0].routes().values() if fleet.shards else ()
+        targets = {(str(t[0]), str(t[1])) for route in routes for t in route_targets(route)}
+        return await self.read_breakers(sorted(targets))
+
+    async def read_breakers(
+        self, targets: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], TargetHealth]:
+        """The breaker's state of each (upstream, model), in one round trip (shard 0)."""
         pipe = self.redis.pipeline(transaction=False)
-        for upstream, model in wanted:
-            pipe.hmget(f"{prefix}:down:{upstream}", BREAKER)
-            pipe.hmget(f"{prefix}:down:{upstream}|{model}", BREAKER)
-            pipe.exists(f"{prefix}:ok:{upstream}|{model}")
+        for upstream, model in targets:
+            for key in self.keys.breakers(0, upstream, model):
+                pipe.hmget(key, BREAKER_FIELDS)
+            pipe.exists(f"{self.keys.sched(0)}:ok:{upstream}|{model}")
         replies = await pipe.execute()
         found = {}
-        for offset, target in enumerate(wanted):
+        for offset, target in enumerate(targets):
             whole, own, answered = replies[offset * 3 : offset * 3 + 3]
             found[target] = _health(whole, own, bool(answered))
         return found
+
+    async def targets_down(
+        self, targets: Sequence[tuple[str, str, str]]
+    ) -> list[tuple[str, str, str, bool]]:
+        """Each (route, upstream, model), and whether every worker skips it now."""
+        health = await self.read_breakers(sorted({(u, m) for _, u, m in targets}))
+        seconds, micros = await self.redis.time()
+        now = int(seconds) * 1000 + int(micros) // 1000
+        return [(r, u, m, health[(u, m)].skipped(now)) for r, u, m in targets]
 
     async def read_waiting(self, shard: int, start: int, count: int) -> dict[str, Waiting]:
         """``count`` waiting tenants of ``shard`` from the ``start``-th (in pass order): their
@@ -236,7 +251,10 @@ class FleetReader:
         return found
 
 
-BREAKER = ("until", "since", "why", "probe")  # the fields of a down:<...> hash read
+def route_targets(route: dict[str, Any]) -> list[list[Any]]:
+    """A published route's targets, then its context fallback: ``[upstream, model, weight]``
+    each (``worker.store.scheduler.route_text``)."""
+    return [*route.get("t", []), *([route["c"]] if route.get("c") else [])]
 
 
 def _health(whole: list[Any], own: list[Any], answered: bool) -> TargetHealth:

@@ -22,6 +22,7 @@ from functools import lru_cache
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 GROUP = "workers"
+BREAKER_FIELDS = ("until", "since", "why", "probe")  # what a breaker hash says
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,12 @@ class Keys:
         the shard's (``<p>:queue`` itself for shard 0, whose stream has no tag)."""
         tag = self.queue if shard == 0 else shard_tag(self.prefix, shard, self.shards)
         return f"{self.prefix}:sched:{{{tag}}}"
+
+    def breakers(self, shard: int, upstream: str, model: str) -> tuple[str, str]:
+        """The fleet's breakers a route's target passes (``sched/routes.lua``), hashes of
+        ``BREAKER_FIELDS``: its upstream's (it could not be reached) and its own."""
+        upstream_key = f"{self.sched(shard)}:down:{upstream}"
+        return upstream_key, f"{upstream_key}|{model}"
 
     def _sharded(self, key: str, shard: int) -> str:
         """``key`` itself for shard 0, else ``key:{<the shard's tag>}``."""

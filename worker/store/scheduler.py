@@ -46,7 +46,6 @@ SPEND = lua.script("sched/spend", with_lib=True)
 ROUTE = lua.script("sched/route", with_lib=True)
 TRIP = lua.script("sched/trip", with_lib=True)
 HEAL = lua.script("sched/heal", with_lib=True)
-_DOWN = ("until", "since", "why", "probe")  # a breaker's fields targets_down reads
 PAUSE = lua.script("sched/pause", with_lib=True)
 
 
@@ -178,20 +177,6 @@ class TargetFailure:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class TargetDown:
-    """A route's target as the fleet's breaker holds it (shard 0's copy): ``down`` 1 while
-    it is skipped (its cooldown, or a probe trying it), since when, and why."""
-
-    route: str
-    upstream: str
-    model: str
-    down: int
-    since_ms: int | None = None
-    until_ms: int | None = None
-    why: str = ""
-
-
 class Scheduler:
     def __init__(self, redis: RedisClient, keys: Keys) -> None:
         self.redis = redis
@@ -292,24 +277,6 @@ class Scheduler:
             healed = healed or int(reply) == 1
         return healed
 
-    async def targets_down(self, targets: Sequence[tuple[str, str, str]]) -> list[TargetDown]:
-        """The breaker's state of each (route, upstream, model): its target's own, or its
-        upstream's when that could not be reached."""
-        prefix = self.keys.sched(0)
-        seconds, micros = await self.redis.time()
-        now = int(seconds) * 1000 + int(micros) // 1000
-        found = []
-        for route, upstream, model in targets:
-            for key in (f"{prefix}:down:{upstream}", f"{prefix}:down:{upstream}|{model}"):
-                row = [as_text(v) if v else "" for v in await self.redis.hmget(key, _DOWN)]
-                if row[0]:
-                    break
-            until = int(row[0]) if row[0].isdigit() else None
-            since = int(row[1]) if row[1].isdigit() else None
-            down = int(until is not None and (until > now or bool(row[3])))
-            found.append(TargetDown(route, upstream, model, down, since, until, row[2]))
-        return found
-
     async def pause(self, upstream: str) -> bool:
         """Dispatch nothing more to ``upstream``, on every shard, until ``resume``; False when
         it was paused already. Jobs out of the queue go on; a running job's retries too."""
@@ -406,11 +373,11 @@ class Scheduler:
 
     async def _route_held(self, job_id: str, name: str, route: dict[str, Any]) -> str | None:
         """Why no target of route ``name`` takes the job: each target's breaker or limit."""
-        prefix = self.keys.sched(self.keys.shard_of(job_id))
+        shard = self.keys.shard_of(job_id)
         reasons = []
         for upstream, model, _ in route.get("t", []):
             why = ""
-            for key in (f"{prefix}:down:{upstream}", f"{prefix}:down:{upstream}|{model}"):
+            for key in self.keys.breakers(shard, upstream, model):
                 why = why or as_text(await self.redis.hget(key, "why") or "")
             held = why or await self.holding_back(job_id, upstream)
             if not held:

@@ -21,9 +21,10 @@ from worker.client import Client
 from worker.service.health import MetricsServer
 from worker.service.metrics import JobTiming, Metrics
 from worker.service.worker import Worker
-from worker.settings import Settings, Upstream
+from worker.settings import Route, RouteTarget, Settings, Upstream
 from worker.store.keys import Keys
 from worker.store.queue import Queue
+from worker.store.scheduler import TargetFailure
 from worker.testing.mock_upstream import MockUpstream
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -426,3 +427,44 @@ def test_label_values_are_bounded() -> None:
     labels = {"upstream": "other", "code": "upstream_terminal", "status": "418"}
     assert registry.get_sample_value("chatstream_upstream_errors_total", labels) == 1
     assert metrics.model_label("x" * 500) == "other"  # the cap holds for odd names too
+
+
+async def test_route_target_down_follows_the_fleets_breaker(
+    settings: Settings, redis: Redis, mock_upstream: tuple[MockUpstream, str]
+) -> None:
+    """``chatstream_route_target_down`` per (route, upstream, model): 1 while the fleet's
+    breaker skips the target, its own or its upstream's (unreachable), 0 once it answered."""
+    url = mock_upstream[1]
+    routes = {
+        "fast": Route(
+            targets=[RouteTarget(upstream="default", model="a"), RouteTarget(upstream="b")]
+        )
+    }
+    settings = metric_settings(
+        settings, url, routes=routes, upstreams={"b": Upstream(url=url)}, breaker_cooldown=60.0,
+        breaker_max_cooldown=60.0,
+    )  # fmt: skip
+    worker = Worker(settings, redis)
+    await worker.startup()  # publishes the routes; maintenance refreshes the gauges
+    assert worker.http is not None
+    scheduler = worker.queue.scheduler
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{worker.http.port}") as http:
+            served = Served(worker, Client.from_settings(settings, redis), http, mock_upstream[0])
+            gauge = "chatstream_route_target_down"
+            first = {"route": "fast", "upstream": "default", "model": "a"}
+            second = {"route": "fast", "upstream": "b", "model": "fast"}
+
+            async def until(expected: int, labels: dict[str, str]) -> None:
+                await served.until(gauge, expected, 10, **labels)
+
+            await until(0, first)
+            await scheduler.trip(TargetFailure("default", "a", 60.0, 60.0, None, "HTTP 503", "j"))
+            await until(1, first)
+            assert await served.value(gauge, **second) == 0
+            await scheduler.trip(TargetFailure("b", "", 60.0, 60.0, None, "refused", "j"))
+            await until(1, second)  # its upstream could not be reached
+            await scheduler.heal("default", "a", 30_000)
+            await until(0, first)
+    finally:
+        await worker.shutdown()

@@ -21,6 +21,11 @@ local function target_key(u, m)
   return u .. '|' .. m
 end
 
+-- The breakers target (u, m) passes: its upstream's (it could not be reached), its own.
+local function down_keys(u, m)
+  return S .. ':down:' .. u, S .. ':down:' .. target_key(u, m)
+end
+
 -- The shorter of two waits (ms): a positive wait beats -1 (a permit's), which beats none.
 local function shorter(a, b)
   if a == nil or a == 0 then return b end
@@ -49,10 +54,11 @@ local known = {}  -- within one script call: target -> {state, wait} (a pick ask
 
 local function health_now(c, u, m, now)
   local tk = target_key(u, m)
-  if redis.call('EXISTS', S .. ':down:' .. u, S .. ':down:' .. tk) > 0 then
-    local su, wu = down_state(S .. ':down:' .. u, now, c.lease_ms)
+  local upstream_down, target_down = down_keys(u, m)
+  if redis.call('EXISTS', upstream_down, target_down) > 0 then
+    local su, wu = down_state(upstream_down, now, c.lease_ms)
     if su == 'down' then return 'down', wu end
-    local st, wt = down_state(S .. ':down:' .. tk, now, c.lease_ms)
+    local st, wt = down_state(target_down, now, c.lease_ms)
     if st == 'down' then return 'down', wt end
     return 'probe', 0
   end
@@ -147,7 +153,7 @@ local function sent(c, r, i, state, j, now)
   local t = c.routes[r].t[i]
   local tk = target_key(t[1], t[2])
   if state == 'probe' then
-    for _, key in ipairs({S .. ':down:' .. t[1], S .. ':down:' .. tk}) do
+    for _, key in ipairs({down_keys(t[1], t[2])}) do
       if redis.call('EXISTS', key) == 1 then
         redis.call('HSET', key, 'probe', j, 'probe_at', now)
       end

@@ -5,7 +5,8 @@
 -- replaces it, up to 60 s); a job sent before it went down failing too changes nothing but
 -- a longer Retry-After. Returns the ms until it may be probed.
 local u, m, j = ARGV[1], ARGV[2], ARGV[7]
-local key = S .. ':down:' .. (m == '' and u or (u .. '|' .. m))
+local upstream_down, target_down = down_keys(u, m)
+local key = m == '' and upstream_down or target_down
 local now = now_ms()
 local h = redis.call('HMGET', key, 'until', 'fails', 'probe')
 local until_ms, fails = tonumber(h[1]), tonumber(h[2]) or 0
@@ -24,5 +25,5 @@ elseif retry_after and now + retry_after > until_ms then
 end
 redis.call('HSET', key, 'why', ARGV[6])
 redis.call('PEXPIRE', key, until_ms - now + 10 * MINUTE)
-if m ~= '' then redis.call('DEL', S .. ':ok:' .. u .. '|' .. m) end
+if m ~= '' then redis.call('DEL', S .. ':ok:' .. target_key(u, m)) end
 return until_ms - now
