@@ -122,6 +122,11 @@ class Route(BaseModel):
     def target_model(self, target: RouteTarget, name: str) -> str:
         return target.model or name
 
+    def all_targets(self) -> list[RouteTarget]:
+        """Its targets, then its context fallback: a target's index in this list is the one
+        the scheduler and the queue entries use."""
+        return [*self.targets, *([self.context_fallback] if self.context_fallback else [])]
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -536,8 +541,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"{where}: a name of letters, digits, _ . : / - (1 to 128)")
             if name in upstreams:
                 raise ValueError(f"{where} is named like an upstream: rename one of them")
-            fallback = [route.context_fallback] if route.context_fallback else []
-            for index, target in enumerate([*route.targets, *fallback]):
+            for index, target in enumerate(route.all_targets()):
                 if target.upstream not in upstreams:
                     which = f"target {index}" if index < len(route.targets) else "context_fallback"
                     raise ValueError(
@@ -562,8 +566,7 @@ class Settings(BaseSettings):
         """Every (route, upstream, model) the routes may send a job to."""
         found = []
         for name, route in self.routes.items():
-            extra = [route.context_fallback] if route.context_fallback else []
-            for target in [*route.targets, *extra]:
+            for target in route.all_targets():
                 found.append((name, target.upstream, route.target_model(target, name)))
         return found
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from redis.exceptions import RedisError
 
 from worker.errors import ChatstreamError, RetryableUpstreamError, UpstreamError
-from worker.settings import DEFAULT_UPSTREAM, Route, RouteTarget, Settings
+from worker.settings import DEFAULT_UPSTREAM, Settings
 from worker.store.queue import Entry
 from worker.store.scheduler import RouteEntry, Scheduler, TargetFailure
 from worker.upstream.verdict import Grain, Verdict
@@ -58,9 +58,6 @@ class Target:
     @property
     def key(self) -> tuple[str, str]:
         return self.upstream, self.model
-
-    def describe(self) -> dict[str, str | int]:
-        return {"route": self.route, "upstream": self.upstream, "model": self.model}
 
 
 @dataclass(slots=True)
@@ -107,9 +104,10 @@ class Routing:
         route = self.routes.get(name)
         if route is None:
             return None
-        chosen = _target_at(route, index)
-        if chosen is None:
+        targets = route.all_targets()
+        if not 0 <= index < len(targets):
             return None
+        chosen = targets[index]
         return Target(name, index, chosen.upstream, route.target_model(chosen, name), probe)
 
     def locally_down(self, target: Target) -> bool:
@@ -201,14 +199,6 @@ class Routing:
                 target.route,
                 _label(target),
             )
-
-
-def _target_at(route: Route, index: int) -> RouteTarget | None:
-    if 0 <= index < len(route.targets):
-        return route.targets[index]
-    if index == len(route.targets):
-        return route.context_fallback
-    return None
 
 
 def _why(exc: ChatstreamError) -> str:
