@@ -55,7 +55,9 @@ class Outage(Protocol):
 
     reason: str  # the waiting entry's reason
     down_since: float | None  # monotonic
-    last_error: str
+
+    @property
+    def last_error(self) -> str: ...
 
     def next_try_in(self) -> float: ...
 

@@ -100,9 +100,6 @@ class Attempt:
     delivery: int = 1  # its queue entry's delivery count (more than 1: taken over)
     tenant: str = "default"
 
-    def attempt_now(self) -> int:
-        return self.attempt
-
     def saw_failure(self, exc: UpstreamError) -> None:
         """One of its own tries failed (before the first byte, where the upstream client
         retries it): kept, so its error can say what the upstream last answered."""

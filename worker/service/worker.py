@@ -368,15 +368,20 @@ class Worker:
         logs.set_attempt(started.attempt)
         stream = self.publisher.open(job_id, started.attempt)
         job = held.job = Attempt(
-            job_id, started.attempt, started.request, started.upstream, stream, entry=entry
+            job_id,
+            started.attempt,
+            started.request,
+            started.upstream,
+            stream,
+            entry=entry,
+            delivery=delivery,
         )
-        job.delivery = delivery
         job.tenant = entry.tenant
         notices = WaitingNotices(
             self.records,
             job_id,
             lambda: self._outage_of(job),
-            job.attempt_now,
+            lambda: job.attempt,
             lambda: job.upstream,
         )
         job.idle = notices.around(self.slots.without_slot(held))

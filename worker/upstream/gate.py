@@ -33,7 +33,7 @@ from tenacity import wait_random_exponential
 
 from worker.errors import ChatstreamError, RetryableUpstreamError
 from worker.retry import pause
-from worker.upstream.verdict import Grain
+from worker.upstream.verdict import Grain, grain_of
 
 log = logging.getLogger("chatstream.upstream")
 
@@ -71,7 +71,6 @@ class UpstreamGate:
         self.model = model  # a target's gate: the model its jobs ask for
         self.waiting = 0  # jobs waiting for their turn, without a slot
         self.down_since: float | None = None  # monotonic
-        self.last_error = ""
         self.last_failure: RetryableUpstreamError | None = None
         self.failures = 0  # failed probes in a row, the failure that took it down included
         self._backoff = wait_random_exponential(multiplier=initial_backoff, max=max_backoff)
@@ -89,14 +88,15 @@ class UpstreamGate:
 
     def where(self) -> dict[str, str]:
         """What it guards: its upstream, and the model when it is a target's gate."""
-        return (
-            {"upstream": self.name}
-            if self.model is None
-            else {
-                "upstream": self.name,
-                "model": self.model,
-            }
-        )
+        found = {"upstream": self.name}
+        if self.model is not None:
+            found["model"] = self.model
+        return found
+
+    @property
+    def last_error(self) -> str:
+        """The latest failure, without the upstream's name (the waiting entries give it)."""
+        return "" if self.last_failure is None else _reason(self.last_failure, self.name)
 
     @property
     def label(self) -> str:
@@ -115,7 +115,7 @@ class UpstreamGate:
         try:
             yield
         except RetryableUpstreamError as exc:
-            if _grain_of(exc) is grain:
+            if grain_of(exc) is grain:
                 self._failed(exc, probe)
             elif grain is Grain.UPSTREAM:
                 self._up(probe)
@@ -170,7 +170,6 @@ class UpstreamGate:
 
     def _failed(self, exc: RetryableUpstreamError, probe: bool) -> None:
         now = monotonic()
-        self.last_error = _reason(exc, self.name)  # (the waiting entries name the upstream)
         self.last_failure = exc
         if not self.down:
             self.down_since, self.failures = now, 1
@@ -178,7 +177,7 @@ class UpstreamGate:
             log.warning(
                 "%s is down (%s): jobs bound for it wait; next try in %.1fs",
                 self.label,
-                _reason(exc, self.name),
+                self.last_error,
                 self._next_try - now,
             )
         elif probe:
@@ -189,7 +188,7 @@ class UpstreamGate:
                 self.label,
                 now - (self.down_since or now),
                 self.failures,
-                _reason(exc, self.name),
+                self.last_error,
                 self._next_try - now,
                 self.waiting,
             )
@@ -224,10 +223,6 @@ class UpstreamGate:
         """Wake every waiter: each looks at the gate again."""
         self._changed.set()
         self._changed = asyncio.Event()
-
-
-def _grain_of(exc: RetryableUpstreamError) -> Grain:
-    return Grain.UPSTREAM if exc.unreachable else Grain.TARGET
 
 
 def _reason(exc: BaseException, name: str) -> str:

@@ -56,13 +56,18 @@ NOT_MOVED = Verdict(move=False, grain=None)
 def judge(exc: ChatstreamError) -> Verdict:
     """The verdict on a failed try."""
     if isinstance(exc, RetryableUpstreamError):
-        return Verdict(True, Grain.UPSTREAM if exc.unreachable else Grain.TARGET)
+        return Verdict(True, grain_of(exc))
     if isinstance(exc, MidStreamError):
         return judge_stream_error(exc.detail if isinstance(exc.detail, dict) else {})
     status = getattr(exc, "status", None)
     if isinstance(status, int) and _mentions_context(exc.message, exc.detail):
         return Verdict(False, None, context=True)
     return NOT_MOVED
+
+
+def grain_of(exc: RetryableUpstreamError) -> Grain:
+    """What a retryable failure takes down: the upstream when it could not be reached."""
+    return Grain.UPSTREAM if exc.unreachable else Grain.TARGET
 
 
 def judge_stream_error(error: dict[str, Any]) -> Verdict:

@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 
 from tests.helpers.harness import Harness, chat, custom_harness
 from worker import package_version
+from worker.errors import RetryableUpstreamError
 from worker.store.activity import ActivityLog, merge, minute_of, ttft_histogram
 
 
@@ -66,7 +67,8 @@ async def test_a_down_upstreams_error_is_reported_without_its_secrets(
         await down.worker.run_burst()
         gate = down.worker.upstream.gates["default"]
         assert gate.down and "connection refused" in gate.last_error
-        gate.last_error += f" (the proxy said: bad key {secret})"
+        said = f"{gate.last_failure} (the proxy said: bad key {secret})"
+        gate.last_failure = RetryableUpstreamError(said)
         await down.worker.upkeep.beat()
         raw = await redis.hget(down.worker.keys.workers_info, down.worker.name) or ""
     report = json.loads(raw)["down"]["default"]
