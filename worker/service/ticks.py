@@ -140,18 +140,20 @@ class WakeCoalescer:
 # timers fire up to a tick late (a pause that matters is taken under ``URGENT.hurry``).
 
 
+def _shows_queues(loop: asyncio.AbstractEventLoop) -> bool:
+    """asyncio's own loop, whose ready queue and timers are where this module reads them
+    (not uvloop, nor an asyncio that keeps them elsewhere now: ``worker.internals``)."""
+    return isinstance(loop, asyncio.BaseEventLoop) and internals.available("asyncio-loop-queues")
+
+
 def _queue_of(loop: asyncio.AbstractEventLoop) -> Any:
-    """asyncio's ready queue (None: uvloop, or an asyncio that keeps it elsewhere now)."""
-    if not isinstance(loop, asyncio.BaseEventLoop):
-        return None
-    return getattr(loop, "_ready", None) if internals.available("asyncio-loop-queues") else None
+    """asyncio's ready queue (None: not shown)."""
+    return getattr(loop, "_ready", None) if _shows_queues(loop) else None
 
 
 def _next_timer_in(loop: asyncio.AbstractEventLoop) -> float:
     """Seconds until the loop's next timer is due (``inf``: none, or not shown)."""
-    if not isinstance(loop, asyncio.BaseEventLoop) or not internals.available(
-        "asyncio-loop-queues"
-    ):
+    if not _shows_queues(loop):
         return math.inf
     scheduled = getattr(loop, "_scheduled", None)
     if not scheduled:
